@@ -1,0 +1,9 @@
+"""rollout.py: not built yet (see the open issues)."""
+
+
+def main():
+    raise SystemExit("rollout.py is not built yet")
+
+
+if __name__ == "__main__":
+    main()
