@@ -1,0 +1,175 @@
+"""model.py against transformers' Qwen2/Qwen3 on random tiny configs, checkpoints, packing, log-probs."""
+import json
+import os
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Qwen2Config, Qwen3Config
+
+from model import ModelConfig, Transformer, cu_seqlens_from_lengths
+
+torch.set_grad_enabled(False)
+
+
+def hf_model(kind, tie, tmp_path, **kw):
+    torch.manual_seed(0)
+    common = dict(vocab_size=211, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, intermediate_size=96, tie_word_embeddings=tie, rope_theta=5000.0)
+    common.update(kw)
+    cfg = Qwen3Config(head_dim=24, **common) if kind == "qwen3" else Qwen2Config(**common)
+    ref = AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():  # non-trivial norm weights and biases so every parameter matters
+        for name, p in ref.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+    ref.save_pretrained(tmp_path)
+    return ref
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen2"])
+@pytest.mark.parametrize("tie", [False, True])
+def test_logits_match_transformers(kind, tie, tmp_path):
+    ref = hf_model(kind, tie, tmp_path)
+    model = Transformer.from_pretrained(str(tmp_path))
+    assert model.config.model_type == kind and model.config.qk_norm == (kind == "qwen3")
+    ids = torch.randint(0, 211, (3, 29))
+    diff = (ref(ids).logits - model(ids)).abs().max().item()
+    assert diff < 1e-4, diff
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_save_pretrained_loads_in_transformers(tie, tmp_path):
+    hf_model("qwen3", tie, tmp_path / "src")
+    model = Transformer.from_pretrained(str(tmp_path / "src"))
+    model.save_pretrained(str(tmp_path / "dst"))
+    back = AutoModelForCausalLM.from_pretrained(str(tmp_path / "dst")).eval()
+    ids = torch.randint(0, 211, (2, 13))
+    assert (back(ids).logits - model(ids)).abs().max().item() < 1e-5
+
+
+def test_sharded_checkpoint_round_trip(tmp_path):
+    ref = hf_model("qwen3", False, tmp_path / "src")
+    model = Transformer.from_pretrained(str(tmp_path / "src"))
+    model.save_pretrained(str(tmp_path / "sharded"), max_shard_bytes=50_000)
+    index = json.load(open(tmp_path / "sharded" / "model.safetensors.index.json"))
+    assert len(set(index["weight_map"].values())) > 2
+    assert not os.path.exists(tmp_path / "sharded" / "model.safetensors")
+    ids = torch.randint(0, 211, (1, 11))
+    ours = Transformer.from_pretrained(str(tmp_path / "sharded"))
+    theirs = AutoModelForCausalLM.from_pretrained(str(tmp_path / "sharded")).eval()
+    assert (ours(ids) - ref(ids).logits).abs().max() < 1e-4
+    assert (theirs(ids).logits - ref(ids).logits).abs().max() < 1e-5
+
+
+def test_config_both_generations():
+    v4 = dict(model_type="qwen3", vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+              num_attention_heads=2, num_key_value_heads=1, head_dim=4, rope_theta=1e6, rope_scaling=None,
+              torch_dtype="bfloat16", tie_word_embeddings=True, bos_token_id=1)
+    v5 = dict(v4, rope_parameters={"rope_type": "default", "rope_theta": 1e6}, dtype="bfloat16")
+    del v5["rope_theta"], v5["rope_scaling"], v5["torch_dtype"]
+    a, b = ModelConfig.from_dict(v4), ModelConfig.from_dict(v5)
+    assert a.rope_theta == b.rope_theta == 1e6 and a.dtype == b.dtype == "bfloat16"
+    assert a.extra["bos_token_id"] == 1
+    with pytest.raises(NotImplementedError, match="yarn"):
+        ModelConfig.from_dict(dict(v4, rope_scaling={"rope_type": "yarn", "factor": 4.0}))
+    with pytest.raises(ValueError, match="llama"):
+        ModelConfig.from_dict(dict(v4, model_type="llama"))
+
+
+def test_packed_varlen_equals_per_sequence(tmp_path):
+    hf_model("qwen3", True, tmp_path)
+    model = Transformer.from_pretrained(str(tmp_path))
+    lengths = [5, 12, 1, 9]
+    seqs = [torch.randint(0, 211, (1, n)) for n in lengths]
+    packed = model(torch.cat(seqs, dim=1), cu_seqlens=cu_seqlens_from_lengths(lengths))
+    separate = torch.cat([model(s) for s in seqs], dim=1)
+    assert (packed - separate).abs().max() < 1e-5
+
+
+def test_explicit_positions_shift_rope(tmp_path):
+    hf_model("qwen3", True, tmp_path)
+    model = Transformer.from_pretrained(str(tmp_path))
+    ids = torch.randint(0, 211, (1, 7))
+    base = model(ids)
+    assert (model(ids, positions=torch.arange(7)[None]) - base).abs().max() == 0
+    assert (model(ids, positions=torch.arange(3, 10)[None]) - base).abs().max() < 1e-4  # relative positions
+
+
+class RecordingCache:
+    """A minimal cache behind the kv_cache seam: keeps k/v per layer, attends over all held."""
+
+    def __init__(self):
+        self.k, self.v = {}, {}
+
+    def attend(self, layer, q, k, v):
+        if layer in self.k:
+            k, v = torch.cat([self.k[layer], k], 1), torch.cat([self.v[layer], v], 1)
+        self.k[layer], self.v[layer] = k, v
+        T, S = q.shape[1], k.shape[1]
+        mask = torch.ones(T, S, dtype=torch.bool).tril(S - T)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, enable_gqa=True)
+        return out.transpose(1, 2)
+
+
+def test_kv_cache_seam_incremental_decode(tmp_path):
+    hf_model("qwen2", False, tmp_path)
+    model = Transformer.from_pretrained(str(tmp_path))
+    ids = torch.randint(0, 211, (2, 10))
+    full = model(ids)
+    cache = RecordingCache()
+    steps = [model(ids[:, :6], kv_cache=cache)]
+    for t in range(6, 10):
+        steps.append(model(ids[:, t:t + 1], positions=torch.full((2, 1), t), kv_cache=cache))
+    assert (torch.cat(steps, 1) - full).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_token_logprobs_and_entropy_match_log_softmax(temperature, tmp_path):
+    hf_model("qwen3", True, tmp_path)
+    model = Transformer.from_pretrained(str(tmp_path))
+    ids = torch.randint(0, 211, (2, 23))
+    targets = torch.randint(0, 211, (2, 23))
+    with torch.enable_grad():
+        logp, ent = model.token_logprobs(ids, targets, return_entropy=True, temperature=temperature, chunk_size=5)
+        (logp * torch.randn_like(logp)).sum().backward(retain_graph=True)  # noqa: just exercise
+        model.zero_grad()
+        w1, w2 = torch.randn(2, 23), torch.randn(2, 23)
+        ((logp * w1).sum() + (ent * w2).sum()).backward()
+        ours = {n: p.grad.clone() for n, p in model.named_parameters()}
+        model.zero_grad()
+        full = torch.log_softmax(model(ids).float() / temperature, -1)
+        ref_logp = full.gather(-1, targets[..., None]).squeeze(-1)
+        ref_ent = -(full.exp() * full).sum(-1)
+        ((ref_logp * w1).sum() + (ref_ent * w2).sum()).backward()
+    assert (logp - ref_logp).abs().max() < 1e-5
+    assert (ent - ref_ent).abs().max() < 1e-5
+    for n, p in model.named_parameters():
+        assert torch.allclose(ours[n], p.grad, atol=1e-5, rtol=1e-4), n
+
+
+def test_activation_checkpointing_same_gradients(tmp_path):
+    hf_model("qwen3", False, tmp_path)
+    model = Transformer.from_pretrained(str(tmp_path)).train()
+    ids = torch.randint(0, 211, (2, 9))
+    grads = []
+    for ckpt in (False, True):
+        model.gradient_checkpointing = ckpt
+        model.zero_grad()
+        with torch.enable_grad():
+            model.token_logprobs(ids, ids.roll(-1, 1)).sum().backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for a, b in zip(*grads):
+        assert torch.allclose(a, b, atol=1e-6)
+
+
+def test_from_pretrained_dtype_and_meta_free(tmp_path):
+    hf_model("qwen3", True, tmp_path)
+    model = Transformer.from_pretrained(str(tmp_path), dtype=torch.bfloat16)
+    assert all(p.dtype == torch.bfloat16 and p.device.type == "cpu" for p in model.parameters())
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def test_missing_checkpoint_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        Transformer.from_pretrained(str(tmp_path))
