@@ -32,7 +32,9 @@ with vLLM, here one module does both, so sampler and trainer log-probs come from
 implementation.
 
 Usage:
-    python model.py DIR          # load a checkpoint, print its shape and a forward pass's timing
+    python model.py DIR                        # load a checkpoint: parameters, load time, peak host memory
+    python model.py --bench-memory chunked     # extra memory of token_logprobs, fwd+bwd, T=8192, V=151936
+    python model.py --bench-memory full        # the same with full fp32 logits, for comparison
 """
 
 import json
@@ -245,52 +247,61 @@ class Decoder(nn.Module):
 
 
 class _ChunkedLogprobs(torch.autograd.Function):
-    """log p(target) and entropy from hidden states, one chunk of tokens at a time.
+    """log p(target) and entropy from hidden states without a full [N, V] fp32 logits tensor.
 
-    Forward keeps only the per-token outputs and the log-sum-exp; backward recomputes each chunk's
-    logits, so at most one [chunk, V] fp32 block (and its softmax) is alive at any time.
+    Forward walks over chunks of tokens and keeps only per-token results (log p, log-sum-exp,
+    entropy). Backward recomputes the logits one chunk of the *vocabulary* at a time: for a column
+    block Vc it needs only the saved per-token lse and entropy, writes that block of the weight
+    gradient exactly (one matmul, no cross-chunk rounding in bf16) and accumulates the hidden-state
+    gradient in fp32 ([N, D], small). Peak extra memory: a couple of [chunk, V] or [N, Vc] fp32
+    blocks, each sized to `block_bytes`.
     """
 
     @staticmethod
-    def forward(ctx, h, weight, targets, chunk, temperature, want_entropy):
+    def forward(ctx, h, weight, targets, temperature, want_entropy, block_bytes):
         # h [N, D], weight [V, D], targets [N] -> logp [N], entropy [N] (fp32)
-        logp = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
-        ent = torch.zeros_like(logp)
-        for s in range(0, h.shape[0], chunk):
-            z = (h[s:s + chunk] @ weight.t()).float() / temperature   # [c, V]
-            lse = torch.logsumexp(z, dim=-1)                           # [c]
-            logp[s:s + chunk] = z.gather(1, targets[s:s + chunk, None]).squeeze(1) - lse
-            if want_entropy:
-                p = torch.softmax(z, dim=-1)
-                ent[s:s + chunk] = lse - (p * z).sum(-1)
-        ctx.save_for_backward(h, weight, targets)
-        ctx.chunk, ctx.temperature, ctx.want_entropy = chunk, temperature, want_entropy
+        N, V = h.shape[0], weight.shape[0]
+        logp = torch.empty(N, dtype=torch.float32, device=h.device)
+        lse, ent = torch.empty_like(logp), torch.zeros_like(logp)
+        chunk = max(1, block_bytes // (4 * V))
+        for s in range(0, N, chunk):
+            z = (h[s:s + chunk] @ weight.t()).float().div_(temperature)   # [c, V]
+            lse[s:s + chunk] = torch.logsumexp(z, dim=-1)
+            logp[s:s + chunk] = z.gather(1, targets[s:s + chunk, None]).squeeze(1) - lse[s:s + chunk]
+            if want_entropy:  # H = lse - sum p z
+                ent[s:s + chunk] = lse[s:s + chunk] - (torch.softmax(z, -1) * z).sum(-1)
+        ctx.save_for_backward(h, weight, targets, lse, ent)
+        ctx.temperature, ctx.want_entropy, ctx.block_bytes = temperature, want_entropy, block_bytes
         return logp, ent
 
     @staticmethod
     def backward(ctx, g_logp, g_ent):
-        h, weight, targets = ctx.saved_tensors
-        chunk, temperature = ctx.chunk, ctx.temperature
+        h, weight, targets, lse, ent = ctx.saved_tensors
+        N, V = h.shape[0], weight.shape[0]
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        grad_h = torch.empty_like(h) if need_h else None
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
-        for s in range(0, h.shape[0], chunk):
-            hc = h[s:s + chunk]
-            z = (hc @ weight.t()).float() / temperature               # [c, V]
-            logp_all = torch.log_softmax(z, dim=-1)
+        grad_h = torch.zeros(h.shape, dtype=torch.float32, device=h.device) if need_h else None
+        grad_w = torch.empty_like(weight) if need_w else None
+        g_logp = g_logp.float()[:, None]                                   # [N, 1]
+        g_ent = g_ent.float()[:, None] if ctx.want_entropy else None
+        cols = max(1, ctx.block_bytes // (4 * N))
+        for c in range(0, V, cols):
+            w = weight[c:c + cols]                                          # [Vc, D]
+            logp_all = (h @ w.t()).float().div_(ctx.temperature).sub_(lse[:, None])  # [N, Vc]
             p = logp_all.exp()
-            # d logp[target] / dz = onehot - p
-            gz = -p * g_logp[s:s + chunk, None]
-            gz.scatter_add_(1, targets[s:s + chunk, None], g_logp[s:s + chunk, None])
-            if ctx.want_entropy:  # H = -sum p log p ; dH/dz = -p (log p + H)
-                H = -(p * logp_all).sum(-1, keepdim=True)
-                gz -= g_ent[s:s + chunk, None] * p * (logp_all + H)
-            gz = gz / temperature
+            # d log p[target] / dz = onehot - p ;  dH / dz = -p (log p + H)
+            if g_ent is not None:
+                gz = logp_all.add_(ent[:, None]).mul_(-g_ent).sub_(g_logp).mul_(p)
+            else:
+                gz = p.mul_(-g_logp)
+            in_block = (targets >= c) & (targets < c + cols)
+            rows = in_block.nonzero().squeeze(1)
+            gz[rows, targets[rows] - c] += g_logp[rows, 0]
+            gz = gz.div_(ctx.temperature).to(weight.dtype)
             if need_h:
-                grad_h[s:s + chunk] = (gz.to(weight.dtype) @ weight).to(h.dtype)
+                grad_h += (gz @ w).float()
             if need_w:
-                grad_w += gz.t() @ hc.float()
-        return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None, None
+                grad_w[c:c + cols] = gz.t() @ h
+        return (grad_h.to(h.dtype) if need_h else None), grad_w, None, None, None, None
 
 
 # -----------------------------------------------------------------------------
@@ -330,13 +341,14 @@ class Transformer(nn.Module):
         return self.lm_head(self.hidden(input_ids, positions, cu_seqlens, kv_cache))
 
     def token_logprobs(self, input_ids, targets, positions=None, cu_seqlens=None, return_entropy=False,
-                       temperature=1.0, chunk_size=1024):
+                       temperature=1.0, block_bytes=2**27):
         """log p(targets[:, t] | input_ids[:, :t+1]) as fp32 [B, T]; with return_entropy also the
-        entropy of each position's distribution [B, T]. Memory: one [chunk_size, V] fp32 block."""
+        entropy of each position's distribution [B, T]. Extra memory: a few fp32 blocks of
+        `block_bytes` (128 MB) each, forward and backward, never the full [T, V] logits."""
         h = self.hidden(input_ids, positions, cu_seqlens)
         B, T, D = h.shape
         logp, ent = _ChunkedLogprobs.apply(h.reshape(B * T, D), self.lm_head.weight, targets.reshape(B * T),
-                                           chunk_size, float(temperature), bool(return_entropy))
+                                           float(temperature), bool(return_entropy), int(block_bytes))
         logp = logp.view(B, T)
         return (logp, ent.view(B, T)) if return_entropy else logp
 
@@ -454,12 +466,44 @@ def cu_seqlens_from_lengths(lengths, device=None):
     return torch.tensor([0] + list(lengths), dtype=torch.int32, device=device).cumsum(0, dtype=torch.int32)
 
 
+def _peak_rss_bytes():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM"))
+
+
+def bench_logprobs_memory(variant, T=8192, V=151936, D=128):
+    """Peak extra host memory of one forward+backward of per-token log-probs (Linux, CPU).
+    variant "chunked" is token_logprobs' path (log-probs and entropy); "full" materialises [T, V]
+    fp32 logits and computes log-probs only."""
+    torch.manual_seed(0)
+    h = torch.randn(T, D, requires_grad=True)
+    w = (torch.randn(V, D) * 0.02).requires_grad_()
+    targets = torch.randint(0, V, (T,))
+    with open("/proc/self/clear_refs", "w") as f:  # reset the high-water mark to the current RSS
+        f.write("5")
+    base = _peak_rss_bytes()
+    if variant == "chunked":
+        logp, ent = _ChunkedLogprobs.apply(h, w, targets, 1.0, True, 2**27)
+        (logp.sum() + ent.sum()).backward()
+    else:  # log-probs only (with entropy too it needs over 20 GiB)
+        full = torch.log_softmax((h @ w.t()).float(), -1)
+        full.gather(1, targets[:, None]).sum().backward()
+    grads = (h.numel() + w.numel()) * 4  # the gradients themselves, needed by either variant
+    return _peak_rss_bytes() - base - grads
+
+
 if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--bench-memory":
+        # python model.py --bench-memory chunked|full   (run each in its own process)
+        extra = bench_logprobs_memory(sys.argv[2])
+        print(f"{sys.argv[2]}: extra peak memory, forward+backward, T=8192 V=151936: {extra / 2**30:.2f} GiB")
+        raise SystemExit
     if len(sys.argv) != 2:
         raise SystemExit(__doc__.split("Usage:")[1])
     t0 = time.time()
     m = Transformer.from_pretrained(sys.argv[1])
-    print(f"loaded {m.config.model_type} with {m.num_params() / 1e6:.1f}M parameters in {time.time() - t0:.1f}s")
+    print(f"loaded {m.config.model_type} with {m.num_params() / 1e6:.1f}M parameters in {time.time() - t0:.1f}s, "
+          f"peak host memory {_peak_rss_bytes() / 2**30:.2f} GiB")
     ids = torch.randint(0, m.config.vocab_size, (1, 128))
     t0 = time.time()
     with torch.no_grad():

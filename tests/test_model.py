@@ -131,7 +131,7 @@ def test_token_logprobs_and_entropy_match_log_softmax(temperature, tmp_path):
     ids = torch.randint(0, 211, (2, 23))
     targets = torch.randint(0, 211, (2, 23))
     with torch.enable_grad():
-        logp, ent = model.token_logprobs(ids, targets, return_entropy=True, temperature=temperature, chunk_size=5)
+        logp, ent = model.token_logprobs(ids, targets, return_entropy=True, temperature=temperature, block_bytes=4 * 211 * 5)
         (logp * torch.randn_like(logp)).sum().backward(retain_graph=True)  # noqa: just exercise
         model.zero_grad()
         w1, w2 = torch.randn(2, 23), torch.randn(2, 23)
