@@ -609,6 +609,7 @@ def evaluate(model, tokenizer, problems, config, out_dir=None, progress=True):
     import dataclasses
     import rollout
     import sandbox
+    import torch
     from tqdm import tqdm
 
     cfg = config
@@ -640,8 +641,9 @@ def evaluate(model, tokenizer, problems, config, out_dir=None, progress=True):
             batch = todo[start:start + bs]
             # a seed per batch from its first problem: reruns and resumes sample the same
             seed = None if cfg.seed is None else (cfg.seed * 1_000_003 + zlib.crc32(batch[0]["uid"].encode())) % 2**31
-            trajs = rollout.rollout(model, tokenizer, batch, dataclasses.replace(rcfg, seed=seed),
-                                    sandbox=sandbox)
+            with torch.no_grad():  # rl.py calls this with its training model
+                trajs = rollout.rollout(model, tokenizer, batch, dataclasses.replace(rcfg, seed=seed),
+                                        sandbox=sandbox)
             new = [grade_trajectory(batch[t.problem_index], t.to_dict(), cfg) for t in trajs]
             if traj_file:
                 # one write per batch, then fsync: a kill leaves at most one torn line
