@@ -1,0 +1,201 @@
+"""rl.py: each piece against hand-computed values, then whole steps on the tiny model."""
+import math
+
+import pytest
+import torch
+
+import rl
+from rl import Config, group_advantages, grpo_tcr_loss, overlong_penalty, shape_reward
+
+
+# -----------------------------------------------------------------------------
+# advantages
+
+
+def test_group_advantages_table():
+    rewards = [1, -1, -1, -1,          # mean -0.5, unbiased std 1 -> 1.5, -0.5, -0.5, -0.5
+               1, 1, -1, -1,           # mean 0, std sqrt(4/3) -> +-sqrt(3)/2
+               0.3, 0.3, 0.3, 0.3,     # all equal -> 0 exactly (not rounding noise / noise)
+               -0.6, -1, -1, -0.6]     # mean -0.8, std sqrt(0.16/3) -> +-sqrt(3)/2
+    adv = group_advantages(rewards, 4, eps=0.0)
+    h = math.sqrt(3) / 2
+    expected = [1.5, -0.5, -0.5, -0.5, h, h, -h, -h, 0, 0, 0, 0, h, -h, -h, h]
+    assert adv.dtype == torch.float32 and adv.shape == (16,)
+    assert torch.allclose(adv, torch.tensor(expected), atol=1e-6)
+    assert (adv[8:12] == 0).all()
+
+
+def test_group_advantages_eps_and_singletons():
+    adv = group_advantages([1.0, -1.0], 2, eps=1e-6)  # std sqrt(2)
+    assert torch.allclose(adv, torch.tensor([1, -1]) / (math.sqrt(2) + 1e-6))
+    assert (group_advantages([0.5, 2.0, -1.0], 1) == 0).all()  # n = 1: nothing to compare, not nan
+
+
+# -----------------------------------------------------------------------------
+# rewards
+
+
+def test_overlong_penalty_boundaries():
+    # defaults: no penalty up to 20480 - 4096 = 16384, then linear down to -1 at 20480
+    assert overlong_penalty(0) == 0.0
+    assert overlong_penalty(16384) == 0.0 and math.copysign(1, overlong_penalty(16384)) == 1
+    assert overlong_penalty(16385) == pytest.approx(-1 / 4096)
+    assert overlong_penalty(18432) == pytest.approx(-0.5)
+    assert overlong_penalty(20480) == pytest.approx(-1.0)
+    assert overlong_penalty(20480, factor=0.5) == pytest.approx(-0.5)
+    assert [overlong_penalty(L, max_len=10, buffer=4) for L in (6, 7, 8, 10)] == [0.0, -0.25, -0.5, -1.0]
+    assert overlong_penalty(10, max_len=10, buffer=0) == 0.0
+
+
+def test_reward_shaping():
+    cfg = Config(model="x", max_response_tokens=100, overlong_buffer=20)
+    wrong, right = rl.correctness_reward("math", 0.0), rl.correctness_reward("math", 1.0)
+    assert (wrong, right) == (-1.0, 1.0)
+    assert rl.correctness_reward("choice", 1.0) == 1.0
+    assert rl.correctness_reward("code", 0.5) == 0.5       # fraction of tests, program present
+    assert rl.correctness_reward("code", 0.0) == 0.0
+    assert rl.correctness_reward("code", 0.0, has_program=False) == -1.0
+    # capped tool bonus for wrong answers: min(-0.6, -1 + 0.1 calls)
+    assert [shape_reward(wrong, k, 10, cfg) for k in (0, 1, 2, 4, 10)] == pytest.approx([-1, -0.9, -0.8, -0.6, -0.6])
+    assert shape_reward(right, 5, 10, cfg) == 1.0          # never above a right answer
+    assert shape_reward(0.5, 3, 10, cfg) == 0.5            # partial code credit is not "wrong"
+    assert shape_reward(wrong, 3, 10, Config(model="x", tool_bonus=False)) == -1.0
+    # overlong: 90 tokens of 100 with a 20 buffer -> -0.5 on top
+    assert shape_reward(right, 0, 90, cfg) == pytest.approx(0.5)
+    assert shape_reward(wrong, 1, 90, cfg) == pytest.approx(-1.4)
+    assert shape_reward(right, 0, 90, Config(model="x", overlong=False, max_response_tokens=100)) == 1.0
+
+
+# -----------------------------------------------------------------------------
+# the loss
+
+
+def branch_batch():
+    """One row, seven tokens, one per branch (clip_low 0.2, clip_high 0.3, c 10):
+       A   r     -A r   -A clip(r)   loss    branch              d loss / d logp (x 6)
+       +1  1.1   -1.1   -1.1         -1.1    inside              -A r = -1.1
+       +1  1.5   -1.5   -1.3         -1.3    clip high           0
+       -1  0.5    0.5    0.8          0.8    clip low            0
+       -1  2.0    2.0    1.3          2.0    unclipped (A < 0)   -A r = 2.0
+       -1  12    12      1.3         10      dual clip           0
+       +2  0.5   -1.0   -1.6         -1.0    inside (A > 0)      -A r = -1.0
+       +5  3     (masked out)
+    """
+    A = torch.tensor([[1, 1, -1, -1, -1, 2, 5]], dtype=torch.float32)
+    r = torch.tensor([[1.1, 1.5, 0.5, 2.0, 12.0, 0.5, 3.0]])
+    old = torch.linspace(-3, -0.5, 7)[None]
+    logp = (old + r.log()).requires_grad_(True)
+    mask = torch.tensor([[1, 1, 1, 1, 1, 1, 0]], dtype=torch.float32)
+    return logp, old, A, mask, r
+
+
+def test_loss_and_gradient_each_branch():
+    logp, old, A, mask, r = branch_batch()
+    loss, stats = grpo_tcr_loss(logp, old, A, mask, clip_low=0.2, clip_high=0.3, clip_c=10.0)
+    assert loss.item() == pytest.approx((-1.1 - 1.3 + 0.8 + 2.0 + 10.0 - 1.0) / 6, rel=1e-5)
+    loss.backward()
+    expected = torch.tensor([[-1.1, 0, 0, 2.0, 0, -1.0, 0]]) / 6
+    assert torch.allclose(logp.grad, expected, atol=1e-6)
+    assert stats["clip_high"].item() == pytest.approx(1 / 6)
+    assert stats["clip_low"].item() == pytest.approx(1 / 6)
+    assert stats["clip_dual"].item() == pytest.approx(1 / 6)
+    rm = r[0, :6]
+    assert stats["approx_kl"].item() == pytest.approx(float(((rm - 1) - rm.log()).sum() / 6), rel=1e-5)
+    # num_tokens from outside: the same sum, another denominator
+    loss10, _ = grpo_tcr_loss(logp, old, A, mask, 0.2, 0.3, 10.0, num_tokens=10)
+    assert loss10.item() == pytest.approx(9.4 / 10, rel=1e-5)
+
+
+def test_loss_without_clip_higher_and_with_weights():
+    logp, old, A, mask, _ = branch_batch()
+    # GRPO-T: eps_high = eps_low = 0.2: token 2 now clips at 1.2; the rest is unchanged
+    loss, _ = grpo_tcr_loss(logp, old, A, mask, clip_low=0.2, clip_high=0.2)
+    assert loss.item() == pytest.approx((-1.1 - 1.2 + 0.8 + 2.0 + 10.0 - 1.0) / 6, rel=1e-5)
+    w = torch.tensor([[2.0, 1, 1, 1, 1, 1, 1]])
+    loss_w, _ = grpo_tcr_loss(logp, old, A, mask, 0.2, 0.3, is_weights=w)
+    assert loss_w.item() == pytest.approx((-2.2 - 1.3 + 0.8 + 2.0 + 10.0 - 1.0) / 6, rel=1e-5)
+    ent = torch.full_like(old, 0.5)
+    _, stats = grpo_tcr_loss(logp, old, A, mask, entropy=ent)
+    assert stats["entropy"].item() == pytest.approx(0.5)
+
+
+def test_seq_mean_token_mean():
+    # on-policy (ratio 1): per-token loss is -A. Sequence 0: 2 tokens of A=1; sequence 1: 4 of A=-0.5
+    logp = torch.zeros(1, 6, requires_grad=True)
+    A = torch.tensor([[1.0, 1.0, -0.5, -0.5, -0.5, -0.5]])
+    mask = torch.ones(1, 6)
+    seq = torch.tensor([[0, 0, 1, 1, 1, 1]])
+    tok, _ = grpo_tcr_loss(logp, logp.detach(), A, mask)
+    seqm, _ = grpo_tcr_loss(logp, logp.detach(), A, mask, agg="seq-mean-token-mean", seq_ids=seq)
+    assert tok.item() == pytest.approx((-2 + 2) / 6)
+    assert seqm.item() == pytest.approx((-1 + 0.5) / 2)
+    # rows are the sequences when seq_ids is not given
+    seqm_rows, _ = grpo_tcr_loss(torch.zeros(2, 3), torch.zeros(2, 3), torch.tensor([[1.0], [-0.5]]),
+                                 torch.tensor([[1, 1, 0], [1, 1, 1]], dtype=torch.float32), agg="seq-mean-token-mean")
+    assert seqm_rows.item() == pytest.approx((-1 + 0.5) / 2)
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+def test_loss_same_whole_or_in_micro_batches(agg):
+    torch.manual_seed(0)
+    B, T = 8, 16
+    old = -torch.rand(B, T) * 3
+    logp0 = old + torch.randn(B, T) * 0.4          # ratios on every side of the clip range
+    A = torch.randn(B, 1)
+    mask = (torch.rand(B, T) > 0.3).float()
+    mask[:, 0] = 1
+
+    logp = logp0.clone().requires_grad_(True)
+    whole, _ = grpo_tcr_loss(logp, old, A, mask, agg=agg)
+    whole.backward()
+    g_whole = logp.grad.clone()
+
+    logp = logp0.clone().requires_grad_(True)
+    total = 0.0
+    n_tok = mask.sum()
+    for rows in torch.arange(B).chunk(4):
+        part, _ = grpo_tcr_loss(logp[rows], old[rows], A[rows], mask[rows], num_tokens=n_tok, agg=agg, num_seqs=B)
+        part.backward()
+        total += part.item()
+    assert total == pytest.approx(whole.item(), rel=1e-5, abs=1e-7)
+    assert torch.allclose(logp.grad, g_whole, atol=1e-7)
+
+
+# -----------------------------------------------------------------------------
+# data order, options
+
+
+def test_batch_indices_epochs_and_determinism():
+    seen = [rl.batch_indices(s, 4, 10, seed=3) for s in range(5)]   # 20 = two epochs of 10
+    flat = [i for b in seen for i in b]
+    assert sorted(flat[:10]) == list(range(10)) and sorted(flat[10:]) == list(range(10))
+    assert flat[:10] != flat[10:]                                     # a new permutation per epoch
+    assert rl.batch_indices(3, 4, 10, seed=3) == seen[3]              # a pure function of the step
+    assert rl.batch_indices(0, 4, 10, seed=4) != seen[0]
+
+
+def test_parse_args_presets_and_types():
+    toy = rl.parse_args([])
+    assert toy.model == "toy" and toy.prompts_per_step == rl.TOY["prompts_per_step"]
+    paper = rl.parse_args(["--model", "/ckpt", "--data=x.jsonl"])
+    assert (paper.prompts_per_step, paper.samples_per_prompt, paper.mini_batch_prompts) == (64, 16, 16)
+    assert (paper.lr, paper.clip_low, paper.clip_high, paper.clip_c) == (1e-6, 0.2, 0.315, 10.0)
+    c = rl.parse_args(["--model=/m", "--clip-higher=false", "--overlong", "false", "--dynamic_sampling",
+                       "--lr", "3e-6", "--steps=7"])
+    assert (c.clip_higher, c.overlong, c.dynamic_sampling, c.lr, c.steps) == (False, False, True, 3e-6, 7)
+    with pytest.raises(SystemExit, match="unknown option"):
+        rl.parse_args(["--nope=1"])
+    with pytest.raises(SystemExit, match="not a int"):
+        rl.parse_args(["--steps=x"])
+
+
+def test_bad_record_stops_with_file_and_line(tmp_path):
+    path = tmp_path / "rl.jsonl"
+    path.write_text('{"prompt": "1+1?", "answer": "2", "kind": "math"}\n'
+                    '{"prompt": "2+2?", "answer": "4", "kind": "math"}\n'
+                    '{"prompt": "x", "kind": "essay"}\n')
+    with pytest.raises(SystemExit, match=r"rl\.jsonl: line 3: .*kind"):
+        rl.load_problems(str(path))
+    path.write_text('{"prompt": "1+1?", "answer": "2", "kind": "math"}\n{not json\n')
+    with pytest.raises(SystemExit, match=r"rl\.jsonl: line 2"):
+        rl.load_problems(str(path))
