@@ -44,7 +44,8 @@ Commands
   python evaluate.py --model DIR --benchmarks aime24,aime25,gpqa,lcb --n 32 \\
       --temperature 1.0 --top-p 0.6                      # the paper's protocol (defaults)
   python evaluate.py --model DIR --data FILE.jsonl --n 4 --limit 10    # any benchmark
-  torchrun --nproc_per_node 8 evaluate.py --model DIR    # problems split across ranks
+  torchrun --nproc_per_node 8 evaluate.py -- --model DIR --n 32   # problems split across ranks
+      (the "--" stops torchrun from reading --n as an abbreviation of its own --nnodes)
   python evaluate.py                                     # the toy task (see DEFAULT_DATA)
   Every field of EvalConfig below is an option: --name=value or --name value
   (--top-p and --top_p both work).
@@ -694,6 +695,9 @@ def parse_config(argv, cls=EvalConfig):
     i = 0
     while i < len(argv):
         arg = argv[i]
+        if arg == "--":  # torchrun's separator, harmless here
+            i += 1
+            continue
         if arg in ("-h", "--help"):
             print(__doc__)
             for f in fields(cls):

@@ -386,7 +386,7 @@ def test_end_to_end_under_torchrun(tiny_ckpt, tmp_path):
     out = str(tmp_path / "eval")
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           os.path.join(ROOT, "evaluate.py"), f"--model={tiny_ckpt}", f"--data={BENCH4}", "--n=1",
+           os.path.join(ROOT, "evaluate.py"), "--", f"--model={tiny_ckpt}", f"--data={BENCH4}", "--n=1",
            "--max_response_tokens=16", "--max_turns=1", f"--out={out}"]
     subprocess.run(cmd, cwd=ROOT, env=env, check=True, timeout=240, capture_output=True)
     summary = json.load(open(os.path.join(out, "summary.json")))
