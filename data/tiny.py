@@ -86,7 +86,10 @@ def _corpus():
              "Solve the problem step by step and put the final answer in \\boxed{}. "
              "The result of the computation is. I will write Python code to compute this. "
              "<tool_call>\n{\"name\": \"code_interpreter\", \"arguments\": {\"code\": \"print(1)\"}}\n</tool_call> "
-             "<tool_response>\n1\n</tool_response> the sum of the digits of modulo times plus minus ")
+             "<tool_response>\n1\n</tool_response> the sum of the digits of modulo times plus minus "
+             "What is 12 * 34? What is 56 * 78 mod 9? What is the sum of the digits of 12**5? "
+             "Use the code tool, then give the final answer in \\boxed{}. The answer is \\boxed{7}. "
+             "NameError: name 'pritn' is not defined SyntaxError: invalid syntax. Perhaps you forgot a comma? ")
     return [layout, tool_json, python, prose] * 20
 
 

@@ -1,0 +1,149 @@
+"""data/toy.py: the toy tool-use task behind the CPU demo (`python rl.py` with no arguments).
+
+The task is arithmetic that a model of a million parameters cannot do in its head: products of
+multi-digit numbers, remainders of products, digit sums of powers. The only reliable way to the
+answer is the paper's loop: write Python in a `<tool_call>`, read the `<tool_response>`, box the
+number. The SFT trajectories are a mixture, on purpose, so that the SFT policy is one RL can
+sharpen:
+
+- `tool`: one call with correct code, then the boxed tool output;
+- `guess`: no call, a boxed estimate (right leading digits, wrong tail): always wrong;
+- `retry`: a first call with a bug (a typo'd name, a syntax slip), the real error text, a
+  corrected call, then the boxed output.
+
+Every tool reply in the SFT data is what the sandbox really printed for that code, formatted as
+the rollout formats it. Held-out problems are fixed by a hash of the problem itself, so no train
+problem (RL or SFT) can ever equal a held-out one, whatever seeds or sizes are used.
+
+    python -m data.toy --out data/toy        # writes sft.jsonl, train.jsonl, heldout.jsonl
+"""
+
+import argparse
+import hashlib
+import json
+import os
+import random
+
+KINDS = ("mul", "mod", "digitsum")
+
+
+def _number(rng, digits):
+    return rng.randint(10 ** (digits - 1), 10 ** digits - 1)
+
+
+def make_problem(rng, kind, digits=3):
+    """One problem in the project's RL/eval format, plus the code that solves it (`code`)."""
+    if kind == "mul":
+        a, b = _number(rng, digits), _number(rng, digits)
+        question, code, answer = f"What is {a} * {b}?", f"print({a} * {b})", a * b
+    elif kind == "mod":
+        a, b, m = _number(rng, digits), _number(rng, digits), rng.randint(7, 99)
+        question, code, answer = f"What is {a} * {b} mod {m}?", f"print({a} * {b} % {m})", a * b % m
+    elif kind == "digitsum":
+        a, k = _number(rng, max(2, digits - 1)), rng.randint(5, 12)
+        question = f"What is the sum of the digits of {a}**{k}?"
+        code, answer = f"print(sum(int(d) for d in str({a}**{k})))", sum(int(d) for d in str(a ** k))
+    else:
+        raise ValueError(f"unknown toy kind {kind!r} (expected one of {KINDS})")
+    prompt = f"{question} Use the code tool, then give the final answer in \\boxed{{}}."
+    return {"prompt": prompt, "answer": answer, "kind": "math", "source": f"toy-{kind}", "code": code}
+
+
+def is_heldout(problem, heldout_share=0.2):
+    """Held-out membership is a property of the problem text, so the splits never overlap."""
+    h = int(hashlib.sha256(problem["prompt"].encode()).hexdigest()[:8], 16)
+    return h % 1000 < heldout_share * 1000
+
+
+def make_problems(n, split, seed=0, kinds=KINDS, digits=3):
+    """n distinct problems from `split` ("train" or "heldout"), kinds in rotation."""
+    if split not in ("train", "heldout"):
+        raise ValueError(f"split must be 'train' or 'heldout', not {split!r}")
+    rng = random.Random(f"{split}-{seed}")
+    seen, out = set(), []
+    while len(out) < n:
+        p = make_problem(rng, kinds[len(out) % len(kinds)], digits)
+        if is_heldout(p) == (split == "heldout") and p["prompt"] not in seen:
+            seen.add(p["prompt"])
+            out.append(p)
+    return out
+
+
+def _guess(rng, answer):
+    """A head estimate: the leading digits right, the rest made up, never the exact answer."""
+    s = str(answer)
+    keep = max(1, len(s) // 2)
+    while True:
+        g = s[:keep] + "".join(rng.choice("0123456789") for _ in s[keep:])
+        if len(s) == 1:
+            g = str(rng.randint(0, 9))
+        if g != s:
+            return int(g)
+
+
+def _buggy(rng, code):
+    """The same code with one realistic mistake that makes Python raise."""
+    bugs = [code.replace("print(", "pritn(", 1), code.replace("print(", "print ", 1) + ")",
+            code.replace("print(", "print(x + ", 1)]
+    return rng.choice(bugs)
+
+
+def _call(code):
+    return {"type": "function", "function": {"name": "code_interpreter", "arguments": {"code": code}}}
+
+
+def make_sft_records(problems, seed=0, mix=(0.5, 0.3, 0.2), tool_output_chars=256):
+    """{"messages", "tools"} trajectories; `mix` = shares of tool / guess / retry trajectories."""
+    import sandbox
+    rng = random.Random(f"sft-{seed}")
+    styles = rng.choices(["tool", "guess", "retry"], weights=mix, k=len(problems))
+    plans = []  # per problem: the list of codes to call, in order
+    for p, style in zip(problems, styles):
+        plans.append({"tool": [p["code"]], "guess": [], "retry": [_buggy(rng, p["code"]), p["code"]]}[style])
+    codes = [c for plan in plans for c in plan]
+    results = iter(sandbox.run_many([sandbox.prepare_code(c) for c in codes], timeout=10.0))
+    records = []
+    for p, style, plan in zip(problems, styles, plans):
+        messages = [{"role": "user", "content": p["prompt"]}]
+        reply = None
+        for code in plan:
+            reply = sandbox.format_tool_output(next(results), max_chars=tool_output_chars)
+            messages += [{"role": "assistant", "content": "", "tool_calls": [_call(code)]},
+                         {"role": "tool", "content": reply}]
+        final = reply.strip() if style != "guess" else str(_guess(rng, p["answer"]))
+        messages.append({"role": "assistant", "content": f"The answer is \\boxed{{{final}}}."})
+        records.append({"messages": messages, "tools": [sandbox.TOOL_SCHEMA], "style": style})
+    return records
+
+
+def write_jsonl(path, rows):
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+
+
+def build(out, n_sft=2000, n_train=2000, n_heldout=200, seed=0, digits=3, mix=(0.5, 0.3, 0.2)):
+    """Write sft.jsonl, train.jsonl and heldout.jsonl into `out`; returns the three paths."""
+    train = make_problems(n_sft + n_train, "train", seed, digits=digits)
+    sft_problems, rl_problems = train[:n_sft], train[n_sft:]
+    heldout = make_problems(n_heldout, "heldout", seed=0, digits=digits)  # fixed across seeds
+    strip = lambda rows: [{k: v for k, v in r.items() if k != "code"} for r in rows]  # no solutions leak
+    paths = [os.path.join(out, name) for name in ("sft.jsonl", "train.jsonl", "heldout.jsonl")]
+    write_jsonl(paths[0], make_sft_records(sft_problems, seed, mix))
+    write_jsonl(paths[1], strip(rl_problems))
+    write_jsonl(paths[2], strip(heldout))
+    return paths
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="data/toy")
+    ap.add_argument("--n-sft", type=int, default=2000)
+    ap.add_argument("--n-train", type=int, default=2000)
+    ap.add_argument("--n-heldout", type=int, default=200)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--digits", type=int, default=3)
+    a = ap.parse_args()
+    for path in build(a.out, a.n_sft, a.n_train, a.n_heldout, a.seed, a.digits):
+        print("wrote", path)
