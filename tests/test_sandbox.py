@@ -1,0 +1,913 @@
+"""sandbox.py under attack: every property of issue 3 is a real attack that must be
+contained (not a mock), followed by the same checks: no process left, no run directory
+left, the workers untouched, and the next run works. Then the code-interpreter helpers and
+the unit-test runner. Attacks are bounded (a fork storm of 200, a 400 MiB disk fill) so a
+regression cannot take the machine down. Linux only; well under a minute on 2 cores."""
+import concurrent.futures
+import ctypes
+import errno
+import json
+import os
+import platform
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+import sandbox
+from sandbox import Result, Sandbox, format_tool_output, prepare_code, run_tests
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux-only sandbox")
+
+SECRET = "host-secret-" + secrets.token_hex(8)
+PROJECT = os.path.dirname(os.path.abspath(sandbox.__file__))
+PR_SET_CHILD_SUBREAPER = 36
+libc = ctypes.CDLL(None, use_errno=True)
+
+
+# ----------------------------------------------------------------------------- helpers
+
+def process_table():
+    """pid -> (parent pid, state) of every process on the machine."""
+    table = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            fields = stat[stat.rindex(")") + 2:].split()
+            table[int(entry)] = (int(fields[1]), fields[0])
+    return table
+
+
+def descendants(root):
+    table = process_table()
+    found, frontier = {}, [root]
+    while frontier:
+        parent = frontier.pop()
+        for pid, (ppid, state) in table.items():
+            if ppid == parent and pid not in found:
+                found[pid] = state
+                frontier.append(pid)
+    return found
+
+
+def describe(pid):
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")[:120]
+    except OSError:
+        return "?"
+
+
+def known_workers(box):
+    pids = set(box.worker_pids())
+    if sandbox._default is not None and not sandbox._default._closed:
+        pids |= set(sandbox._default.worker_pids())
+    return pids
+
+
+def leftovers(box, allowed=()):
+    """Processes below this test process that are neither pool workers nor expected.
+    This process is a child subreaper (see the fixture), so anything that escaped a run's
+    process group and outlived its worker would be reparented here and found."""
+    for pid, state in descendants(os.getpid()).items():
+        if state == "Z" and pid not in known_workers(box):
+            try:
+                os.waitpid(pid, os.WNOHANG)            # orphans reparented to us
+            except ChildProcessError:
+                pass
+    live = {p: s for p, s in descendants(os.getpid()).items() if s != "Z"}
+    return {p: describe(p) for p in live
+            if p not in box.baseline and p not in known_workers(box) and p not in allowed}
+
+
+def assert_contained(box, workers=None, allowed=()):
+    deadline = time.monotonic() + 5
+    while True:
+        left = leftovers(box, allowed)
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert not left, f"processes survived the run: {left}"
+    if workers is not None:
+        assert sorted(box.worker_pids()) == workers, "a pool worker died"
+    for name in os.listdir(box.root):                 # every run directory is gone
+        assert os.listdir(os.path.join(box.root, name)) == [], name
+    after = box.run("print('still fine')", timeout=10)
+    assert (after.status, after.stdout) == ("ok", "still fine\n"), after
+
+
+def attack(box, code, timeout=1.0, allowed=(), **options):
+    workers = sorted(box.worker_pids())
+    started = time.monotonic()
+    result = box.run(code, timeout=timeout, **options)
+    elapsed = time.monotonic() - started
+    assert_contained(box, workers, allowed)
+    return result, elapsed
+
+
+def syscall_number(name):
+    return sandbox._SYSCALLS.get(platform.machine(), {}).get(name)
+
+
+@pytest.fixture(scope="module")
+def box():
+    os.environ["SANDBOX_TEST_SECRET"] = SECRET       # a token in the host environment
+    libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    baseline = set(descendants(os.getpid()))
+    pool = Sandbox(workers=2, concurrency=2)
+    pool.capabilities()
+    pool.baseline = baseline
+    yield pool
+    pool.close()
+    libc.prctl(PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
+    os.environ.pop("SANDBOX_TEST_SECRET", None)
+
+
+@pytest.fixture(scope="module")
+def caps(box):
+    return box.capabilities()
+
+
+# ----------------------------------------------------------------------------- basics
+
+def test_capabilities_are_in_force(caps):
+    print(json.dumps(caps, indent=1))
+    assert caps["process_group"] and caps["rlimits"] and caps["no_new_privs"]
+    if platform.machine() in sandbox._SYSCALLS:
+        assert caps["seccomp"] and caps["verified"]["fork_blocked"]
+        assert caps["verified"]["inet_blocked"] and caps["verified"]["signals_blocked"]
+    if sandbox.landlock_abi():
+        assert caps["landlock_abi"] == sandbox.landlock_abi()
+        assert caps["verified"]["host_fs_blocked"]
+    assert caps["verified"]["workdir_writable"] and caps["verified"]["threads_work"]
+    assert caps["worker_threads"] == 1                # forking a threaded worker is unsafe
+
+
+def test_exit_codes_and_statuses(box):
+    cases = [("print('hi')", "ok", 0), ("import sys; sys.exit(3)", "error", 3),
+             ("import os; os._exit(7)", "error", 7), ("raise SystemExit('bye')", "error", 1),
+             ("1/0", "error", 1), ("import sys; sys.exit(0)", "ok", 0), ("x = (", "error", 1),
+             ("raise KeyboardInterrupt", "error", 1), ("import os; os.abort()", "killed", -6)]
+    results = box.run_many([c for c, _, _ in cases], timeout=5)
+    for (code, status, rc), r in zip(cases, results):
+        assert (r.status, r.returncode) == (status, rc), (code, r)
+    assert results[0].stdout == "hi\n" and results[3].stderr == "bye\n"
+    assert "ZeroDivisionError" in results[4].stderr
+    assert "sandbox.py" not in results[4].stderr      # the bootstrap's frames are hidden
+    assert "SyntaxError" in results[6].stderr
+    assert all(r.seconds > 0 for r in results)
+
+
+def test_run_many_keeps_order_and_submit_returns_a_future(box):
+    codes = [f"import time; time.sleep({0.3 if i % 2 == 0 else 0}); print({i})" for i in range(6)]
+    results = box.run_many(codes, timeout=5)
+    assert [r.stdout for r in results] == [f"{i}\n" for i in range(6)]
+    future = box.submit("print(6 * 7)")
+    assert isinstance(future, concurrent.futures.Future)
+    assert future.result(timeout=30).stdout == "42\n"
+    results = box.run_many(["print(input())"] * 2, stdins=["a\n", "b\n"])
+    assert [r.stdout for r in results] == ["a\n", "b\n"]
+
+
+def test_fresh_working_directory_per_run(box):
+    first = box.run("import os, tempfile\nopen('note.txt', 'w').write('x')\n"
+                    "print(os.getcwd() == os.environ['HOME'] == os.environ['TMPDIR'])\n"
+                    "print(tempfile.mkstemp()[1].startswith(os.getcwd()))")
+    assert first.stdout == "True\nTrue\n", first
+    second = box.run("import os; print(os.listdir('.'))")
+    assert second.stdout == "[]\n", second
+
+
+def test_numpy_and_sympy_work_and_are_reseeded(box, caps):
+    if "numpy" not in caps["preimported"]:
+        pytest.skip("numpy is not installed")
+    code = "import numpy as np, random\nprint(np.random.rand(), random.random())"
+    a, b = box.run_many([code, code])
+    assert a.status == b.status == "ok" and a.stdout != b.stdout
+    r = box.run("import numpy as np\nprint(np.linalg.det(np.eye(3) * 2))")
+    assert r.stdout.strip() == "7.999999999999998" or float(r.stdout) == pytest.approx(8.0)
+    if "sympy" in caps["preimported"]:
+        r = box.run("import sympy as sp\nx = sp.Symbol('x')\nprint(sp.factor(x**2 - 1))")
+        assert r.stdout == "(x - 1)*(x + 1)\n", r
+
+
+def test_threads_keep_working(box):
+    code = ("import threading\nfrom concurrent.futures import ThreadPoolExecutor\nout = []\n"
+            "ts = [threading.Thread(target=out.append, args=(i,)) for i in range(20)]\n"
+            "[t.start() for t in ts]; [t.join() for t in ts]\n"
+            "print(len(out), sum(ThreadPoolExecutor(4).map(abs, range(-5, 5))))")
+    r = box.run(code)
+    assert (r.status, r.stdout) == ("ok", "20 25\n"), r
+
+
+# ----------------------------------------------------------------------------- time
+
+def test_infinite_loop(box):
+    r, elapsed = attack(box, "while True:\n    pass", timeout=1.0)
+    assert r.status == "timeout" and r.returncode == -signal.SIGKILL
+    assert 1.0 <= r.seconds < 2.5 and elapsed < 4
+
+
+def test_sleep(box):
+    r, elapsed = attack(box, "import time\ntime.sleep(60)", timeout=1.0)
+    assert r.status == "timeout" and elapsed < 4
+
+
+def test_sigterm_ignored(box):
+    code = ("import signal\nfor s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGXCPU):\n"
+            "    signal.signal(s, signal.SIG_IGN)\nprint('ignoring', flush=True)\nwhile True:\n    pass")
+    r, elapsed = attack(box, code, timeout=1.0)
+    assert r.status == "timeout" and r.stdout == "ignoring\n" and elapsed < 4
+
+
+# ----------------------------------------------------------------------------- processes
+
+def test_fork_storm(box):
+    clone = syscall_number("clone")
+    code = f"""
+import ctypes, multiprocessing, os, pty, time
+blocked = 0
+for _ in range(200):
+    try:
+        pid = os.fork()
+    except OSError:
+        blocked += 1
+        continue
+    if pid == 0:                      # only reached if fork got through: stay bounded
+        time.sleep(20)
+        os._exit(0)
+print("fork blocked", blocked)
+libc = ctypes.CDLL(None, use_errno=True)
+if {clone!r} is not None:
+    r = libc.syscall({clone!r}, 17, 0, 0, 0, 0)     # clone(SIGCHLD): fork by another name
+    if r == 0:
+        time.sleep(20)
+        os._exit(0)
+    print("raw clone", r, ctypes.get_errno())
+try:
+    multiprocessing.Process(target=time.sleep, args=(20,)).start()
+    print("multiprocessing STARTED")
+except OSError:
+    print("multiprocessing blocked")
+try:
+    pid, fd = pty.fork()
+    if pid == 0:
+        time.sleep(20)
+        os._exit(0)
+    print("pty STARTED")
+except OSError:
+    print("pty blocked")
+"""
+    r, _ = attack(box, code, timeout=5)
+    assert "fork blocked 200" in r.stdout, r
+    assert clone is None or f"raw clone -1 {errno.EPERM}" in r.stdout
+    assert "multiprocessing blocked" in r.stdout and "pty blocked" in r.stdout, r
+
+
+def test_subprocess_and_os_system(box, tmp_path):
+    marker = str(tmp_path / "ran")
+    touch = shutil.which("touch") or "/usr/bin/touch"
+    code = f"""
+import ctypes, os, subprocess
+marker, touch = {marker!r}, {touch!r}
+attempts = {{}}
+def attempt(name, action):
+    try:
+        attempts[name] = repr(action())
+    except Exception as exc:
+        attempts[name] = "blocked " + type(exc).__name__
+attempt("subprocess", lambda: subprocess.run([touch, marker]).returncode)
+attempt("system", lambda: os.system("touch " + marker))
+attempt("popen", lambda: os.popen("touch " + marker).read())
+attempt("posix_spawn", lambda: os.posix_spawn(touch, ["touch", marker], {{}}))
+attempt("execv", lambda: os.execv(touch, ["touch", marker]))
+libc = ctypes.CDLL(None, use_errno=True)
+argv = (ctypes.c_char_p * 3)(touch.encode(), marker.encode(), None)
+attempt("raw execve", lambda: (libc.execve(touch.encode(), argv, None), ctypes.get_errno()))
+print(attempts)
+"""
+    r, _ = attack(box, code, timeout=5)
+    assert not os.path.exists(marker), "a program ran"
+    assert r.status == "ok", r
+    attempts = eval(r.stdout)
+    for name in ("subprocess", "popen", "posix_spawn", "execv"):
+        assert attempts[name].startswith("blocked"), (name, attempts)
+    assert attempts["system"] != "0" and attempts["raw execve"] == f"(-1, {errno.EPERM})"
+
+
+def test_setsid_escape(box):
+    code = """
+import os, time
+attempts = {}
+try:
+    os.setsid()
+    attempts["setsid"] = "ESCAPED"
+except OSError:
+    attempts["setsid"] = "refused"
+try:
+    os.setpgid(0, 0)
+    attempts["setpgid"] = "same group"
+except OSError:
+    attempts["setpgid"] = "refused"
+try:                                   # the classic daemon: fork, setsid, fork again
+    if os.fork() == 0:
+        os.setsid()
+        if os.fork() == 0:
+            time.sleep(20)
+        os._exit(0)
+    attempts["daemon"] = "FORKED"
+except OSError:
+    attempts["daemon"] = "refused"
+print(attempts, os.getsid(0) == os.getpid() == os.getpgid(0))
+"""
+    r, _ = attack(box, code, timeout=5)
+    assert "ESCAPED" not in r.stdout and "FORKED" not in r.stdout, r
+    assert r.stdout.strip().endswith("True"), r       # its own session and group leader
+
+
+def test_kill_parent_pool_worker_and_others(box):
+    victim = subprocess.Popen(["sleep", "30"])        # a process outside the run
+    try:
+        tgkill, ptrace = syscall_number("tgkill"), syscall_number("ptrace")
+        code = f"""
+import ctypes, os, signal
+libc = ctypes.CDLL(None, use_errno=True)
+worker, victim, owner = os.getppid(), {victim.pid}, {os.getpid()}
+attempts = {{}}
+def attempt(name, action):
+    try:
+        action()
+        attempts[name] = "DELIVERED"
+    except OSError as exc:
+        attempts[name] = "blocked"
+attempt("kill worker", lambda: os.kill(worker, signal.SIGKILL))
+attempt("killpg worker", lambda: os.killpg(worker, signal.SIGKILL))
+attempt("kill victim", lambda: os.kill(victim, signal.SIGKILL))
+attempt("probe owner", lambda: os.kill(owner, 0))          # signal 0: harmless if it regresses
+attempt("probe everyone", lambda: os.kill(-1, 0))
+attempt("probe init", lambda: os.kill(1, 0))
+attempt("pidfd victim", lambda: os.pidfd_open(victim))
+def raw(nr, *args):
+    if libc.syscall(nr, *args) != 0:
+        raise OSError(ctypes.get_errno(), "raw")
+if {tgkill!r}:
+    attempt("tgkill victim", lambda: raw({tgkill!r}, victim, victim, signal.SIGKILL))
+if {ptrace!r}:
+    attempt("ptrace victim", lambda: raw({ptrace!r}, 16, victim, 0, 0))   # PTRACE_ATTACH
+os.kill(os.getpid(), 0)                    # its own process stays reachable
+print(attempts)
+"""
+        r, _ = attack(box, code, timeout=5, allowed={victim.pid})
+        attempts = eval(r.stdout)
+        assert attempts and all(v == "blocked" for v in attempts.values()), attempts
+        assert victim.poll() is None, "the victim was killed"
+    finally:
+        victim.kill()
+        victim.wait()
+
+
+def test_no_inherited_descriptors_and_parent_death_signal_kept(box):
+    code = ("import ctypes, os\nopen_fds = []\nfor fd in range(4096):\n    try:\n"
+            "        os.fstat(fd)\n        open_fds.append(fd)\n    except OSError:\n        pass\n"
+            "libc = ctypes.CDLL(None, use_errno=True)\n"
+            "print(open_fds, libc.prctl(1, 0, 0, 0, 0), ctypes.get_errno())")   # PR_SET_PDEATHSIG
+    r, _ = attack(box, code, timeout=5)
+    assert r.stdout == f"[0, 1, 2] -1 {errno.EPERM}\n", r
+
+
+def test_pool_worker_killed_from_outside(box):
+    old = sorted(box.worker_pids())
+    future = box.submit("import time\nprint('started', flush=True)\ntime.sleep(30)", timeout=20)
+    time.sleep(0.5)
+    for pid in old:
+        os.kill(pid, signal.SIGKILL)
+    lost = future.result(timeout=20)
+    assert lost.status == "killed" and "worker" in lost.stderr, lost
+    assert box.run("print('back')", timeout=10).stdout == "back\n"   # restarted
+    deadline = time.monotonic() + 20
+    while len(box.worker_pids()) < 2 or not all(w.ready for w in box._workers):
+        assert time.monotonic() < deadline, "workers were not restarted"
+        time.sleep(0.05)
+    assert not set(box.worker_pids()) & set(old) and len(box.worker_pids()) == 2
+    assert_contained(box)                        # the sleeping run died with its worker
+    assert sorted(os.listdir(box.root)) == sorted(os.path.basename(w.dir) for w in box._workers)
+
+
+def test_pool_shuts_down_with_its_owner(box, tmp_path):
+    script = ("import json, sys, time, sandbox\n"
+              "box = sandbox.Sandbox(workers=2, preimport=())\nbox.capabilities()\n"
+              "box.submit('import time; time.sleep(60)', timeout=60)\ntime.sleep(0.3)\n"
+              "print(json.dumps([box.root] + box.worker_pids()), flush=True)\ntime.sleep(60)\n")
+    env = dict(os.environ, PYTHONPATH=PROJECT)
+    owner = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, env=env,
+                             cwd=str(tmp_path))
+    try:
+        root, *workers = json.loads(owner.stdout.readline())
+        assert len(workers) == 2 and os.path.isdir(root)
+        owner.kill()                              # no atexit, no close(): a crash
+        owner.wait()
+        deadline = time.monotonic() + 10
+        while True:
+            alive = [p for p, s in descendants(os.getpid()).items() if s != "Z"
+                     and p not in box.baseline and p not in known_workers(box)]
+            if (not alive and not os.path.exists(root)) or time.monotonic() > deadline:
+                break
+            leftovers(box)                        # reaps what was reparented to us
+            time.sleep(0.05)
+        assert not alive, {p: describe(p) for p in alive}
+        assert not os.path.exists(root), "the dead pool's directory was left behind"
+    finally:
+        owner.kill()
+        owner.wait()
+
+
+def test_close_stops_workers_and_removes_everything():
+    pool = Sandbox(workers=1, preimport=())
+    pool.capabilities()
+    workers, root = pool.worker_pids(), pool.root
+    running = pool.submit("import time; time.sleep(30)", timeout=30)
+    time.sleep(0.3)
+    pool.close()
+    assert running.result(timeout=10).status == "killed"
+    assert not os.path.exists(root)
+    for pid in workers:
+        assert not os.path.exists(f"/proc/{pid}") or process_table()[pid][1] == "Z"
+    with pytest.raises(RuntimeError):
+        pool.submit("print(1)")
+
+
+# ----------------------------------------------------------------------------- files
+
+def test_write_outside_the_working_directory(box, tmp_path):
+    host = tmp_path / "host.txt"
+    host.write_text("original")
+    before = os.stat(host)
+    token = secrets.token_hex(6)
+    targets = [str(tmp_path / "escape.txt"), f"/tmp/sandbox-escape-{token}",
+               os.path.join(PROJECT, f"escape-{token}"), os.path.join(box.root, "escape"),
+               os.path.join(os.path.expanduser("~"), f"escape-{token}")]
+    code = f"""
+import os
+host, targets = {str(host)!r}, {targets!r}
+attempts = {{}}
+def attempt(name, action):
+    try:
+        action()
+        attempts[name] = "DONE"
+    except OSError:
+        attempts[name] = "blocked"
+for i, path in enumerate(targets):
+    attempt(f"create {{i}}", lambda: open(path, "w").write("x"))
+    attempt(f"mkdir {{i}}", lambda: os.mkdir(path))
+attempt("append", lambda: open(host, "a").write("x"))
+attempt("truncate", lambda: os.truncate(host, 0))
+attempt("chmod", lambda: os.chmod(host, 0o777))
+attempt("utime", lambda: os.utime(host, (0, 0)))
+attempt("xattr", lambda: os.setxattr(host, "user.pwned", b"1"))
+attempt("unlink", lambda: os.unlink(host))
+attempt("rename away", lambda: os.rename(host, "stolen"))
+attempt("hard link", lambda: os.link(host, "hardlink"))
+open("mine", "w").write("x")
+attempt("rename out", lambda: os.rename("mine", targets[0]))
+os.symlink(host, "link")
+attempt("write through symlink", lambda: open("link", "w").write("x"))
+print(attempts)
+"""
+    r, _ = attack(box, code, timeout=5)
+    attempts = eval(r.stdout)
+    assert attempts and all(v == "blocked" for v in attempts.values()), attempts
+    for path in targets:
+        assert not os.path.exists(path), path
+    after = os.stat(host)
+    assert host.read_text() == "original"
+    assert (after.st_mode, after.st_mtime_ns, after.st_ino) == (before.st_mode, before.st_mtime_ns,
+                                                                before.st_ino)
+
+
+def test_read_host_files(box, tmp_path):
+    secret = tmp_path / "secret.txt"
+    secret.write_text(SECRET)
+    code = f"""
+import os
+attempts = {{}}
+def attempt(name, action):
+    try:
+        attempts[name] = "READ " + repr(action())[:200]
+    except OSError:
+        attempts[name] = "blocked"
+attempt("secret", lambda: open({str(secret)!r}).read())
+attempt("passwd", lambda: open("/etc/passwd").read())
+attempt("shadow", lambda: open("/etc/shadow").read())
+attempt("project file", lambda: open({os.path.join(PROJECT, "sandbox.py")!r}).read())
+attempt("list /", lambda: os.listdir("/"))
+attempt("list home", lambda: os.listdir(os.path.expanduser("~root")))
+attempt("list tmp", lambda: os.listdir({str(tmp_path)!r}))
+attempt("list pool", lambda: os.listdir(".."))
+attempt("proc", lambda: os.listdir("/proc"))
+print(attempts)
+print(len(open(os.__file__).read()) > 0)          # the standard library stays readable
+"""
+    r, _ = attack(box, code, timeout=5)
+    assert SECRET not in r.stdout and "root:" not in r.stdout
+    attempts = eval(r.stdout.splitlines()[0])
+    assert all(v == "blocked" for v in attempts.values()), attempts
+    assert r.stdout.splitlines()[1] == "True", r
+
+
+def test_host_environment_is_not_visible(box):
+    code = f"""
+import os
+print(dict(os.environ))
+for path in ["/proc/self/environ", "/proc/1/environ", f"/proc/{{os.getppid()}}/environ",
+             "/proc/{os.getpid()}/environ"]:
+    try:
+        print(path, open(path, "rb").read())
+    except OSError:
+        print(path, "blocked")
+"""
+    r, _ = attack(box, code, timeout=5)
+    assert r.status == "ok", r
+    assert SECRET not in r.stdout + r.stderr
+    env = eval(r.stdout.splitlines()[0])
+    assert "PYTHONPATH" not in env and "SANDBOX_TEST_SECRET" not in env
+    assert env["OPENBLAS_NUM_THREADS"] == "1" and env["HOME"] == env["TMPDIR"]
+    for pid in box.worker_pids():                    # nor in the workers' own environment
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            assert SECRET.encode() not in f.read()
+
+
+def test_disk_fill(box, caps):
+    code = """
+import json, os
+written, errors = 0, set()
+for i in range(400):                       # 400 MiB at most, against a 16 MiB quota
+    try:
+        with open(f"f{i}", "wb") as f:
+            f.write(b"\\0" * (1 << 20))
+        written += 1 << 20
+    except OSError as exc:
+        errors.add(exc.errno)
+        break
+try:
+    with open("sparse", "wb") as f:         # a 10 GiB file with one byte in it
+        f.seek(10 << 30)
+        f.write(b"x")
+except OSError as exc:
+    errors.add(exc.errno)
+count = 0
+try:
+    for i in range(100_000):               # inodes are bounded too
+        open(f"empty{i}", "w").close()
+        count += 1
+except OSError as exc:
+    errors.add(exc.errno)
+print(json.dumps([written >> 20, sorted(errors), count]))
+"""
+    r, _ = attack(box, code, timeout=10, disk_mb=16)
+    if caps["disk_quota"] == "tmpfs":
+        written, errs, count = json.loads(r.stdout)
+        assert written <= 16, r
+        assert set(errs) <= {errno.ENOSPC, errno.EFBIG} and errno.ENOSPC in errs, r
+        assert count <= sandbox.DEFAULT_MAX_FILES, r
+    else:                                     # polling: the run is killed over quota
+        assert r.status == "error" and "quota" in r.stderr, r
+
+
+def test_degraded_pool_still_runs_and_says_so(box, caplog):
+    """Without namespaces (old kernels, some containers) there is no tmpfs quota: the
+    worker polls the directory and kills a run over quota; the pool warns and reports it."""
+    sandbox._warned.clear()
+    with caplog.at_level("WARNING", logger="sandbox"):
+        with Sandbox(workers=1, preimport=(), namespaces=False) as degraded:
+            caps = degraded.capabilities()
+            assert caps["disk_quota"] == "polling" and caps["namespace"] is None
+            assert caps["host_read_only"] is False
+            assert degraded.run("print('works')").stdout == "works\n"
+            code = ("import os\nfor i in range(200):\n    with open(f'f{i}', 'wb') as f:\n"
+                    "        f.write(b'x' * (1 << 20))\n        os.fsync(f.fileno())\n"
+                    "print('WROTE ALL')")
+            r = degraded.run(code, timeout=10, disk_mb=8)      # 200 MiB at most, to real disk
+            assert r.status == "error" and "quota" in r.stderr and "WROTE ALL" not in r.stdout, r
+            for name in os.listdir(degraded.root):
+                assert os.listdir(os.path.join(degraded.root, name)) == []
+            assert degraded.run("import os; os.fork()").status == "error"   # seccomp still on
+    assert any("polling" in rec.getMessage() for rec in caplog.records)
+
+
+# ----------------------------------------------------------------------------- network
+
+def test_tcp_to_a_local_listener(box, tmp_path):
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    listener.setblocking(False)
+    port = listener.getsockname()[1]
+    unix_path = str(tmp_path / "unix.sock")
+    unix = socket.socket(socket.AF_UNIX)
+    unix.bind(unix_path)
+    unix.listen(8)
+    unix.setblocking(False)
+    abstract = socket.socket(socket.AF_UNIX)
+    abstract.bind("\0sandbox-test-" + secrets.token_hex(4))
+    abstract.listen(8)
+    abstract.setblocking(False)
+    code = f"""
+import ctypes, socket
+attempts = {{}}
+def attempt(name, action):
+    try:
+        action()
+        attempts[name] = "CONNECTED"
+    except OSError:
+        attempts[name] = "blocked"
+attempt("tcp", lambda: socket.create_connection(("127.0.0.1", {port}), timeout=1))
+attempt("tcp6", lambda: socket.create_connection(("::1", {port}), timeout=1))
+attempt("unix path", lambda: socket.socket(socket.AF_UNIX).connect({unix_path!r}))
+attempt("unix abstract", lambda: socket.socket(socket.AF_UNIX).connect({abstract.getsockname()!r}))
+libc = ctypes.CDLL(None, use_errno=True)
+def raw_socket():
+    if libc.socket(socket.AF_INET, socket.SOCK_STREAM, 0) < 0:
+        raise OSError(ctypes.get_errno(), "socket")
+attempt("raw socket", raw_socket)
+a, b = socket.socketpair()                  # local pairs stay usable (asyncio needs them)
+a.sendall(b"ping")
+print(attempts, b.recv(4))
+"""
+    try:
+        r, _ = attack(box, code, timeout=5)
+        attempts, _, pong = r.stdout.rpartition("} ")
+        assert all(v == "blocked" for v in eval(attempts + "}").values()), r.stdout
+        assert pong.strip() == "b'ping'", r
+        for server in (listener, unix, abstract):
+            with pytest.raises(BlockingIOError):
+                server.accept()                 # the listener saw nothing
+    finally:
+        listener.close()
+        unix.close()
+        abstract.close()
+
+
+def test_udp_to_a_local_listener(box):
+    listener = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.setblocking(False)
+    port = listener.getsockname()[1]
+    code = f"""
+import socket
+attempts = {{}}
+def attempt(name, action):
+    try:
+        action()
+        attempts[name] = "SENT"
+    except OSError:
+        attempts[name] = "blocked"
+attempt("udp", lambda: socket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b"leak", ("127.0.0.1", {port})))
+attempt("raw", lambda: socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_UDP))
+attempt("packet", lambda: socket.socket(socket.AF_PACKET, socket.SOCK_RAW))
+attempt("netlink", lambda: socket.socket(socket.AF_NETLINK, socket.SOCK_RAW))
+attempt("unix dgram", lambda: socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM).sendto(b"leak", "/dev/log"))
+print(attempts)
+"""
+    try:
+        r, _ = attack(box, code, timeout=5)
+        assert all(v == "blocked" for v in eval(r.stdout).values()), r.stdout
+        time.sleep(0.1)
+        with pytest.raises(BlockingIOError):
+            listener.recvfrom(100)
+    finally:
+        listener.close()
+
+
+# ----------------------------------------------------------------------------- memory, output
+
+def test_memory_blowup_sudden(box, caps):
+    codes = ["x = bytearray(8 * 1024 ** 3)", "x = 'a' * (4 << 30)",
+             "import mmap\nm = mmap.mmap(-1, 4 << 30)\nm[-1] = 1"]
+    if "numpy" in caps["preimported"]:
+        codes.append("import numpy as np\nx = np.ones(1 << 31)")
+    workers = sorted(box.worker_pids())
+    results = box.run_many(codes, timeout=5, memory_mb=256)
+    assert [r.status for r in results] == ["memory"] * len(codes), results
+    assert_contained(box, workers)
+
+
+def test_memory_blowup_gradual(box):
+    code = ("chunks = []\nwhile True:\n    chunks.append(bytearray(1 << 20))   # a MiB at a time")
+    r, elapsed = attack(box, code, timeout=10, memory_mb=200)
+    assert r.status == "memory" and "MemoryError" in r.stderr, r
+    code = ("def grow():\n    rows = []\n    while True:\n        rows.append([0] * 10000)\ngrow()")
+    r, _ = attack(box, code, timeout=10, memory_mb=200)
+    assert r.status == "memory", r
+
+
+def test_huge_output(box):
+    code = ("import sys\nline = 'x' * 999 + '\\n'\nfor _ in range(100_000):   # 100 MB\n"
+            "    sys.stdout.write(line)\nsys.stderr.write('e' * 10_000_000)\nprint('END')")
+    r, _ = attack(box, code, timeout=20)
+    limit = sandbox.DEFAULT_OUTPUT_LIMIT
+    assert r.status == "ok", r.status
+    assert len(r.stdout.encode()) < limit + 200 and len(r.stderr.encode()) < limit + 200
+    assert "bytes of output cut" in r.stdout and r.stdout.endswith("END\n")
+    assert r.stdout.startswith("x" * 999)
+    r, _ = attack(box, "while True:\n    print('y' * 1000)", timeout=1.0, output_limit=4096)
+    assert r.status == "timeout" and len(r.stdout) < 4096 + 200 and "cut" in r.stdout
+
+
+def test_binary_output(box):
+    code = ("import os, sys\nsys.stdout.buffer.write(bytes(range(256)))\nsys.stdout.flush()\n"
+            "os.write(1, b'\\xff\\xfe\\x00 raw \\xc3')\nsys.stderr.buffer.write(b'\\x80\\x81 err')")
+    r, _ = attack(box, code, timeout=5)
+    assert r.status == "ok" and "\ufffd" in r.stdout and " raw " in r.stdout and "\x00" in r.stdout
+    assert r.stderr.endswith(" err")
+    json.dumps(r.__dict__)                         # text all the way, safe to log
+
+
+def test_stdin_given_and_eof(box):
+    results = box.run_many(["print(input()[::-1]); print(input())", "input()",
+                            "import sys; print(repr(sys.stdin.read()))",
+                            "import sys; print(len(sys.stdin.read()))"],
+                           stdins=["héllo ✓\nxyz\n", "", "", "x" * 1_000_000 + "\n"])
+    assert results[0].stdout == "✓ olléh\nxyz\n", results[0]
+    assert results[1].status == "error" and "EOFError" in results[1].stderr
+    assert results[2].stdout == "''\n"
+    assert results[3].stdout == "1000001\n"
+
+
+def test_thread_storm(box):
+    code = ("import threading, time\nstop = time.time() + 30\n"
+            "def spin():\n    while time.time() < stop:\n        pass\nstarted = 0\ntry:\n"
+            "    for _ in range(2000):\n        threading.Thread(target=spin, daemon=True).start()\n"
+            "        started += 1\nexcept RuntimeError:\n    print('refused after', started, flush=True)\n"
+            "time.sleep(30)")
+    r, elapsed = attack(box, code, timeout=1.5, memory_mb=256)
+    assert r.status == "timeout" and elapsed < 5, r
+
+
+def test_segfault(box):
+    r, _ = attack(box, "import ctypes\nctypes.string_at(0)", timeout=5)
+    assert r.status == "killed" and r.returncode == -signal.SIGSEGV, r
+    assert format_tool_output(r).endswith("Killed by SIGSEGV.")
+
+
+def test_deep_recursion(box):
+    workers = sorted(box.worker_pids())
+    plain, c_level = box.run_many(
+        ["def f(n):\n    return f(n + 1)\nf(0)",
+         "import sys\nsys.setrecursionlimit(10 ** 8)\nx = []\nfor _ in range(10 ** 6):\n"
+         "    x = [x]\nprint(repr(x)[:5])"],      # C-level recursion: the stack overflows
+        timeout=5, memory_mb=256)
+    assert plain.status == "error" and "RecursionError" in plain.stderr
+    assert c_level.status in ("killed", "error", "memory"), c_level
+    # Python frames live on the heap in 3.11+: unbounded recursion runs out of memory.
+    unbounded = box.run("import sys\nsys.setrecursionlimit(10 ** 8)\ndef f(n):\n"
+                        "    return f(n + 1)\nf(0)", timeout=5, memory_mb=64)
+    assert unbounded.status in ("memory", "killed", "error"), unbounded
+    assert_contained(box, workers)
+
+
+def test_timeouts_do_not_leak_into_other_runs(box):
+    slow, fast = box.run_many(["while True: pass", "print('fast')"], timeout=1.0)
+    assert slow.status == "timeout" and fast.status == "ok" and fast.seconds < 1.0
+
+
+def test_module_level_api():
+    r = sandbox.run("print(1 + 1)")
+    assert (r.status, r.stdout, r.returncode) == ("ok", "2\n", 0)
+    assert [x.stdout for x in sandbox.run_many(["print(1)", "print(2)"])] == ["1\n", "2\n"]
+    assert sandbox.submit("print(3)").result().stdout == "3\n"
+    assert sandbox.capabilities()["workers"] >= 1
+
+
+# ----------------------------------------------------------------------------- the tool
+
+def test_tool_schema():
+    fn = sandbox.TOOL_SCHEMA["function"]
+    assert fn["name"] == "code_interpreter" and fn["parameters"]["required"] == ["code"]
+
+
+def test_prepare_code_prints_the_last_expression(box):
+    cases = {
+        "x = 5\nx * 2": "10\n",
+        "print('a')": "a\n",                       # no extra None
+        "None": "",
+        "1, 2": "(1, 2)\n",
+        "'abc'": "'abc'\n",
+        "a = 3; a": "3\n",
+        "(1 +\n 2)  # three": "3\n",
+        "s = 'héllo ✓'\nlen(s)": "7\n",
+        "x = 1": "",
+        "import math\nif True:\n    y = 2\nmath.sqrt(16)": "4.0\n",
+    }
+    results = box.run_many([prepare_code(c) for c in cases])
+    for (code, expected), r in zip(cases.items(), results):
+        assert (r.status, r.stdout) == ("ok", expected), (code, r)
+    assert prepare_code("x = (") == "x = ("         # syntax errors go through unchanged
+    r = box.run(prepare_code("x = 1\n1 / 0"))
+    assert "line 2" in r.stderr                    # line numbers survive the rewrite
+
+
+def test_prepare_code_takes_the_first_python_fence():
+    text = "Let me check.\n```python\nprint(1)\n2 + 2\n```\nthen\n```python\nprint('second')\n```"
+    code = prepare_code(text)
+    assert "second" not in code and code.startswith("print(1)\n")
+    assert prepare_code("```py\nprint(5)\n```") == "print(5)\n"    # print(...) left as is
+    assert prepare_code("```python\nprint(6)") == "print(6)"          # unterminated fence
+    assert prepare_code("no fence\nprint(7)") == "no fence\nprint(7)"
+
+
+def test_format_tool_output():
+    assert format_tool_output(Result("ok", "hi\n", "", 0, 0.1)) == "hi\n"
+    assert format_tool_output(Result("error", "out", "err\n", 1, 0.1)) == "out\nerr\n"
+    timeout = format_tool_output(Result("timeout", "partial", "", -9, 1.0))
+    assert timeout.startswith("partial\n") and "TimeoutError" in timeout
+    assert "MemoryError" in format_tool_output(Result("memory", "", "", 1, 0.1))
+    long = Result("ok", "a" * 500 + "b" * 500, "", 0, 0.1)
+    cut = format_tool_output(long, max_chars=256)
+    assert len(cut) <= 256 and cut.startswith("a") and cut.endswith("b") and "..." in cut
+    cut = format_tool_output(Result("timeout", "z" * 1000, "", -9, 1.0), max_chars=256)
+    assert len(cut) <= 256 and cut.endswith("stopped.")   # the status line survives whole
+    assert len(format_tool_output(long, max_chars=10)) <= 10
+
+
+# ----------------------------------------------------------------------------- unit tests
+
+STDIN_TESTS = {"fn_name": None, "cases": [
+    {"input": "1 2\n", "output": "3\n"}, {"input": "10 -3\n", "output": "7"},
+    {"input": "0 0\n", "output": "0\n\n"}, {"input": "5 5\n", "output": "10   \n"}]}
+
+
+def test_run_tests_stdin_programs(box):
+    correct = "a, b = map(int, input().split())\nprint(a + b)"
+    assert run_tests(correct, STDIN_TESTS, timeout=2, sandbox=box) == [True] * 4
+    trailing = "a, b = map(int, input().split())\nprint(str(a + b) + '   ')\nprint()"
+    assert run_tests(trailing, STDIN_TESTS, timeout=2, sandbox=box) == [True] * 4
+    wrong = "a, b = map(int, input().split())\nprint(a - b)"
+    assert run_tests(wrong, STDIN_TESTS, timeout=2, sandbox=box) == [False, False, True, False]
+    crash = "raise ValueError('boom')"
+    assert run_tests(crash, STDIN_TESTS, timeout=2, sandbox=box) == [False] * 4
+    started = time.monotonic()
+    loop = "a, b = map(int, input().split())\nwhile a > 4:\n    pass\nprint(a + b)"
+    assert run_tests(loop, STDIN_TESTS, timeout=1, sandbox=box) == [True, False, True, False]
+    assert time.monotonic() - started < 6                 # the looping cases ran concurrently
+    assert run_tests("", STDIN_TESTS, sandbox=box) == [False] * 4
+    assert run_tests(correct, {"fn_name": None, "cases": []}, sandbox=box) == []
+
+
+FN_TESTS = {"fn_name": "twoSum", "cases": [
+    {"input": "[2, 7, 11, 15]\n9", "output": "[0, 1]"},
+    {"input": "[3, 2, 4]\n6", "output": "[1, 2]"},
+    {"input": "[3, 3]\n6", "output": "[0, 1]"}]}
+TWO_SUM = """
+class Solution:
+    def twoSum(self, nums: List[int], target: int) -> List[int]:
+        seen = {}
+        for i, n in enumerate(nums):
+            if target - n in seen:
+                return (seen[target - n], i)          # a tuple: compared as JSON, a list
+            seen[n] = i
+"""
+
+
+def test_run_tests_functional_problems(box):
+    assert run_tests(TWO_SUM, FN_TESTS, timeout=2, sandbox=box) == [True] * 3
+    function = "def twoSum(nums, target):\n    return [0, 1]"
+    assert run_tests(function, FN_TESTS, timeout=2, sandbox=box) == [True, False, True]
+    noisy = "def twoSum(nums, target):\n    print('debug [9, 9]')\n    return [0, 1]"
+    assert run_tests(noisy, FN_TESTS, timeout=2, sandbox=box) == [True, False, True]
+    crash = "class Solution:\n    def twoSum(self, nums, target):\n        return 1 / 0"
+    assert run_tests(crash, FN_TESTS, timeout=2, sandbox=box) == [False] * 3
+    loop = "class Solution:\n    def twoSum(self, nums, target):\n        while True: pass"
+    assert run_tests(loop, FN_TESTS, timeout=1, sandbox=box) == [False] * 3
+    missing = "class Solution:\n    def other(self, nums, target):\n        return [0, 1]"
+    assert run_tests(missing, FN_TESTS, timeout=2, sandbox=box) == [False] * 3
+    unserializable = "def twoSum(nums, target):\n    return {0, 1}"
+    assert run_tests(unserializable, FN_TESTS, timeout=2, sandbox=box) == [False] * 3
+
+
+def test_run_tests_expected_output_never_enters_the_sandbox(box):
+    tests = {"fn_name": "answer", "cases": [{"input": "1", "output": json.dumps(SECRET)}]}
+    cheat = ("import gc, sys\ndef answer(x):\n    seen = []\n    frame = sys._getframe()\n"
+             "    while frame:\n        seen.append(repr(frame.f_globals) + repr(frame.f_locals))\n"
+             "        frame = frame.f_back\n    text = ''.join(seen) + repr(gc.get_objects())\n"
+             f"    i = text.find({SECRET[:12]!r})\n    return text[i:i + {len(SECRET)}] if i >= 0 else ''")
+    assert run_tests(cheat, tests, timeout=5, sandbox=box) == [False]
+
+
+def test_run_tests_stop_on_failure(box):
+    program = ("x = int(input())\nif x == 2:\n    print('wrong')\nelif x == 3:\n"
+               "    while True:\n        pass\nelse:\n    print(x)")
+    tests = {"fn_name": None, "cases": [{"input": f"{i}\n", "output": f"{i}\n"} for i in (1, 2, 3, 4)]}
+    started = time.monotonic()
+    assert run_tests(program, tests, timeout=1, stop_on_failure=True, sandbox=box) == \
+        [True, False, False, False]
+    assert time.monotonic() - started < 1.0           # the looping case never ran
+    assert run_tests(program, tests, timeout=1, sandbox=box) == [True, False, False, True]
