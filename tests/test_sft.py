@@ -1,0 +1,275 @@
+"""sft.py: the assistant mask, packing, FSDP2 under torchrun, exact resume after a kill, overfitting."""
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import sft
+from model import Transformer, cu_seqlens_from_lengths
+from sandbox import TOOL_SCHEMA
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def call(code):
+    return {"type": "function", "function": {"name": "code_interpreter", "arguments": {"code": code}}}
+
+
+def conversation(rng):
+    """A tool-use trajectory of random length: 0-3 tool calls, some with an error and a retry."""
+    a, b = rng.randint(10, 9999), rng.randint(10, 9999)
+    messages = [{"role": "user", "content": f"What is {a} * {b}? Put the answer in \\boxed{{}}."}]
+    for turn in range(rng.randint(0, 3)):
+        if rng.random() < 0.3:
+            messages.append({"role": "assistant", "content": "Let me use the code tool.",
+                             "tool_calls": [call(f"print({a} * {b}")]})
+            messages.append({"role": "tool", "content": "SyntaxError: invalid syntax"})
+        else:
+            messages.append({"role": "assistant", "content": "" if turn else "I will compute it.",
+                             "tool_calls": [call(f"print({a} * {b})")]})
+            messages.append({"role": "tool", "content": str(a * b)})
+    messages.append({"role": "assistant", "content": f"The answer is \\boxed{{{a * b}}}."})
+    return {"messages": messages, "tools": [TOOL_SCHEMA]}
+
+
+def write_fixture(path, n, seed=0):
+    rng = random.Random(seed)
+    with open(path, "w") as f:
+        for _ in range(n):
+            f.write(json.dumps(conversation(rng)) + "\n")
+    return str(path)
+
+
+def config(tiny_ckpt, data, out, **kw):
+    base = dict(model=tiny_ckpt, data=data, out_dir=str(out), epochs=1, batch_size=8, lr=2e-3, max_len=1024,
+                micro_batch_tokens=1024, eval_size=0, save_every=0, gradient_checkpointing=True, progress=False,
+                log_every=1000)
+    base.update(kw)
+    return sft.Config(**base)
+
+
+def train_losses(out):
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [e["loss"] for e in map(json.loads, f) if e["event"] == "train"]
+
+
+def weights(path):
+    from safetensors.torch import load_file
+    return load_file(os.path.join(path, "model.safetensors"))
+
+
+def run_cli(args, threads=1, **kw):
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS=str(threads))
+    return subprocess.Popen([sys.executable, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, **kw)
+
+
+def flags(cfg):
+    return [f"--{k}={v}" for k, v in vars(cfg).items()]
+
+
+# -----------------------------------------------------------------------------
+# rendering and the mask
+
+
+def test_mask_covers_exactly_the_assistant_tokens(tiny_tokenizer):
+    tok = tiny_tokenizer
+    messages = [
+        {"role": "system", "content": "You are a careful solver."},
+        {"role": "user", "content": "Compute 17 ** 5 mod 7."},
+        {"role": "assistant", "content": "I will compute it.", "tool_calls": [call("print(17 ** 5 % 7)")]},
+        {"role": "tool", "content": "5"},
+        {"role": "assistant", "content": None,  # a bare call, two calls in one turn
+         "tool_calls": [call("x = 17 ** 5"), {"name": "code_interpreter", "arguments": '{"code": "x % 7"}'}]},
+        {"role": "tool", "content": "ok"},
+        {"role": "tool", "content": "<|im_end|> is plain text here"},
+        {"role": "assistant", "content": "The answer is \\boxed{5}."},
+    ]
+    ids, mask, same = sft.render(tok, messages, [TOOL_SCHEMA])
+    # the ids are the template's own output
+    assert ids == tok.apply_chat_template(messages, tools=[TOOL_SCHEMA], tokenize=True, return_dict=False)
+    assert same and len(mask) == len(ids)
+    runs, cur = [], []
+    for t, m in zip(ids, mask):
+        if m:
+            cur.append(t)
+        elif cur:
+            runs.append(tok.decode(cur))
+            cur = []
+    assert not cur  # the render ends with the template's newline, which the assistant did not write
+    blk = '<tool_call>\n{{"name": "code_interpreter", "arguments": {}}}\n</tool_call>'
+    assert runs == [
+        "I will compute it.\n" + blk.format('{"code": "print(17 ** 5 % 7)"}') + "<|im_end|>",
+        blk.format('{"code": "x = 17 ** 5"}') + "\n" + blk.format('{"code": "x % 7"}') + "<|im_end|>",
+        "The answer is \\boxed{5}.<|im_end|>",
+    ]
+    # everything else is system, user, tool or template text
+    rest = tok.decode([t for t, m in zip(ids, mask) if not m])
+    for text in ("careful solver", "Compute 17", "<tool_response>\n5\n</tool_response>", "is plain text here",
+                 "# Tools"):
+        assert text in rest
+
+
+def test_prefix_check_and_bad_records(tiny_tokenizer, tmp_path):
+    # a template that drops earlier assistant turns (as some reasoning templates do) cannot be masked by prefixes
+    class Dropping:
+        eos_token_id = tiny_tokenizer.eos_token_id
+
+        def apply_chat_template(self, messages, add_generation_prompt=False, **kw):
+            last = max([i for i, m in enumerate(messages) if m["role"] == "user"], default=-1)
+            kept = [m for i, m in enumerate(messages) if not (m["role"] == "assistant" and i < last)]
+            return tiny_tokenizer.apply_chat_template(kept, add_generation_prompt=add_generation_prompt, **kw)
+
+        def encode(self, text, **kw):
+            return tiny_tokenizer.encode(text, **kw)
+
+    msgs = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+            {"role": "user", "content": "c"}, {"role": "assistant", "content": "d"}]
+    with pytest.raises(sft.DataError, match=r"rec:7: messages\[\d\]: the chat template renders"):
+        sft.render(Dropping(), msgs, where="rec:7")
+
+    good = json.dumps(conversation(random.Random(0)))
+    cases = {
+        "not json": ("{oops", "data.jsonl:2: not valid JSON"),
+        "no messages": ('{"tools": []}', "data.jsonl:2: messages: expected a non-empty list"),
+        "bad role": ('{"messages": [{"role": "robot", "content": "x"}]}', r"data.jsonl:2: messages\[0\].role"),
+        "bad content": ('{"messages": [{"role": "user", "content": 3}]}', r"messages\[0\].content"),
+        "bad call": ('{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "",'
+                     ' "tool_calls": [{"function": {"arguments": {}}}]}]}', r"messages\[1\].tool_calls\[0\].function.name"),
+        "no assistant": ('{"messages": [{"role": "user", "content": "q"}]}', "no assistant message"),
+        "bad tools": ('{"messages": [{"role": "user", "content": "q"}], "tools": "[1"}', "tools: a string"),
+    }
+    for name, (line, message) in cases.items():
+        path = tmp_path / "data.jsonl"
+        path.write_text(good + "\n" + line + "\n")
+        with pytest.raises(sft.DataError, match=message):
+            sft.load_data(str(path), tiny_tokenizer, sft.Config(max_len=1024))
+
+
+def test_too_long_truncated_or_dropped(tiny_tokenizer, tmp_path):
+    data = write_fixture(tmp_path / "d.jsonl", 12, seed=3)
+    full, _ = sft.load_data(data, tiny_tokenizer, sft.Config(max_len=10_000))
+    cut = sorted(len(s[0]) for s in full)[6]
+    short, stats = sft.load_data(data, tiny_tokenizer, sft.Config(max_len=cut, too_long="drop"))
+    assert stats["dropped_too_long"] == sum(len(s[0]) > cut for s in full) == 12 - len(short)
+    kept, stats = sft.load_data(data, tiny_tokenizer, sft.Config(max_len=cut, too_long="truncate"))
+    assert stats["truncated"] == 12 - len(short) and max(len(s[0]) for s in kept) == cut
+
+
+# -----------------------------------------------------------------------------
+# packing
+
+
+def test_pack_and_plan():
+    lengths = [7, 3, 5, 9, 1, 4, 4]
+    bins = sft.pack(lengths, 10)
+    assert sorted(i for b in bins for i in b) == list(range(7))
+    assert all(sum(lengths[i] for i in b) <= 10 for b in bins) and len(bins) == 4  # 33 tokens
+    micro = sft.plan(range(7), lengths, world=2, budget=10)
+    assert len(micro[0]) == len(micro[1])  # every rank runs the same number of micro-batches
+    assert sorted(i for rank in micro for b in rank for i in b) == list(range(7))
+
+
+def test_packed_loss_equals_per_sequence_loss(tiny_ckpt, tiny_tokenizer, tmp_path):
+    seqs, _ = sft.load_data(write_fixture(tmp_path / "d.jsonl", 5, seed=1), tiny_tokenizer, sft.Config(max_len=4096))
+    model = Transformer.from_pretrained(tiny_ckpt)
+    with torch.no_grad():
+        packed = sft.packed_nll(model, sft.micro_batch(seqs, "cpu"))
+        separate = sum(sft.packed_nll(model, sft.micro_batch([s], "cpu")) for s in seqs)
+        # and against plain full logits, one sequence at a time
+        direct = 0.0
+        for ids, mask in seqs:
+            logits = model(ids[None].long())[0, :-1]
+            logp = torch.log_softmax(logits.float(), -1).gather(1, ids[1:].long()[:, None])[:, 0]
+            direct += -(logp * mask[1:]).sum()
+    assert torch.allclose(packed, separate, rtol=1e-5) and torch.allclose(packed, direct, rtol=1e-5)
+    # packing keeps attention inside each trajectory: per-token log-probs match too
+    ids, targets, mask, cu = sft.micro_batch(seqs, "cpu")
+    lp = model.token_logprobs(ids, targets, cu_seqlens=cu)[0]
+    s, e = int(cu[2]), int(cu[3])
+    one = sft.micro_batch([seqs[2]], "cpu")
+    assert torch.allclose(lp[s:e], model.token_logprobs(one[0], one[1])[0], atol=1e-5)
+
+
+# -----------------------------------------------------------------------------
+# training
+
+
+def test_torchrun_two_ranks_matches_one_process(tiny_ckpt, tmp_path):
+    from transformers import AutoModelForCausalLM
+    data = write_fixture(tmp_path / "d.jsonl", 24, seed=2)
+    one = config(tiny_ckpt, data, tmp_path / "one", max_steps=3, micro_batch_tokens=1200)
+    two = config(tiny_ckpt, data, tmp_path / "two", max_steps=3, micro_batch_tokens=1200)
+    # one after the other: on 2 cores, overlapping runs would oversubscribe the CPU threads
+    proc = run_cli(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "sft.py", *flags(two)])
+    out, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 0, out
+    sft.train(one)
+    a, b = train_losses(one.out_dir), train_losses(two.out_dir)
+    assert len(a) == len(b) == 3 and a[0] > a[-1], (a, b)
+    assert all(abs(x - y) < 1e-4 * abs(x) for x, y in zip(a, b)), (a, b)
+    final = os.path.join(two.out_dir, "final")
+    wa, wb = weights(os.path.join(one.out_dir, "final")), weights(final)
+    assert all(torch.allclose(wa[k], wb[k], atol=1e-5) for k in wa)
+    hf = AutoModelForCausalLM.from_pretrained(final).eval()
+    ours = Transformer.from_pretrained(final)
+    ids = torch.randint(0, ours.config.vocab_size, (1, 20))
+    with torch.no_grad():
+        assert (hf(ids).logits - ours(ids)).abs().max() < 1e-4
+    assert os.path.exists(os.path.join(final, "tokenizer.json")) and os.path.exists(os.path.join(final, "chat_template.jinja")) or \
+        "chat_template" in json.load(open(os.path.join(final, "tokenizer_config.json")))
+
+
+def test_kill_and_resume_matches_uninterrupted(tiny_ckpt, tmp_path):
+    data = write_fixture(tmp_path / "d.jsonl", 40, seed=4)
+    common = dict(epochs=2, batch_size=8, eval_size=4, eval_every=3)  # 10 steps over two epochs
+    whole = config(tiny_ckpt, data, tmp_path / "whole", **common)
+    parts = config(tiny_ckpt, data, tmp_path / "parts", save_every=1, **common)
+    # as many threads as this process: CPU matmuls reduce in an order that depends on the thread count
+    proc = run_cli(["sft.py", *flags(parts)], threads=torch.get_num_threads())
+    try:  # SIGKILL once step 2's checkpoint is complete (the run may be anywhere in step 3 or its save)
+        while not os.path.exists(os.path.join(parts.out_dir, "step_000002")) and proc.poll() is None:
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.wait()
+    sft.train(whole)
+    killed_at = sft.resumable(parts.out_dir)[-1][0]
+    assert killed_at < 10, "the run finished before it was killed"
+    with pytest.raises(SystemExit, match="--resume"):  # never silently overwrites a run
+        sft.train(parts)
+    parts.resume = True
+    sft.train(parts)
+    wa, wb = weights(os.path.join(whole.out_dir, "final")), weights(os.path.join(parts.out_dir, "final"))
+    assert all(torch.equal(wa[k], wb[k]) for k in wa), f"killed at step {killed_at}"
+    a, b = train_losses(whole.out_dir), train_losses(parts.out_dir)
+    assert a == b[-len(a):]
+    # only the newest checkpoint keeps its resume state; a leftover .tmp dir never counts as one
+    assert [s for s, _ in sft.resumable(parts.out_dir)] == [10]
+    assert not [n for n in os.listdir(parts.out_dir) if n.startswith(".tmp")]
+
+
+def test_overfits_a_handful_of_trajectories(tiny_ckpt, tmp_path):
+    data = write_fixture(tmp_path / "d.jsonl", 4, seed=5)
+    cfg = config(tiny_ckpt, data, tmp_path / "fit", epochs=50, batch_size=2, lr=4e-3, warmup_ratio=0.05,
+                 gradient_checkpointing=False)
+    sft.train(cfg)
+    losses = train_losses(cfg.out_dir)
+    assert losses[0] > 3 and losses[-1] < 0.05, (losses[0], losses[-1])
+
+
+def test_cli_flags():
+    cfg = sft.parse_args(["--lr=0.5", "--resume", "--too_long=drop"])
+    assert cfg.lr == 0.5 and cfg.resume and cfg.too_long == "drop"
+    assert cfg.model == "tiny" and cfg.max_len == sft.TOY["max_len"]  # toy defaults for the tiny model
+    real = sft.parse_args(["--model=some/dir"])
+    assert (real.lr, real.warmup_ratio, real.epochs, real.batch_size, real.max_len, real.grad_clip) == \
+        (1e-5, 0.1, 5, 32, 32768, 1.0)
+    with pytest.raises(SystemExit):
+        sft.parse_args(["--learning_rate=1"])
