@@ -183,6 +183,9 @@ def parse_args(argv):
     given, i = {}, 0
     while i < len(argv):
         arg = argv[i]
+        if arg == "--":  # torchrun ... rl.py -- --name=value (keeps torchrun off the options)
+            i += 1
+            continue
         if arg in ("-h", "--help"):
             print(__doc__)
             for f in fields(Config):
@@ -230,7 +233,7 @@ def group_advantages(rewards, group_size, eps=1e-6):
         return torch.zeros(r.numel())
     adv = (r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + eps)
     # exactly 0 for groups with nothing to compare: (r - mean) of equal floats is rounding
-    # noise, divided by a std of rounding noise it is not small 
+    # noise, divided by a std of rounding noise it is not small
     same = r.max(1, keepdim=True).values == r.min(1, keepdim=True).values
     return torch.where(same, torch.zeros_like(adv), adv).view(-1).float()
 
@@ -388,6 +391,12 @@ def shard_model(model, device):
     fully_shard(model, **kw)
     # FSDP hooks only forward(); the trainer calls token_logprobs, which bypasses it
     register_fsdp_forward_method(model, "token_logprobs")
+    # FSDP sets itself up on the first forward through the root; the sampler calls
+    # model.hidden (no hooks), which would make each block a root of its own. One tiny
+    # forward here (a collective: every rank at once) settles it.
+    with torch.no_grad():
+        model(torch.zeros(1, 2, dtype=torch.long, device=device))
+    model.reshard()  # the root keeps its weights gathered after a forward; the optimizer needs the shards
     return model
 
 
@@ -577,7 +586,7 @@ def score_tokens(model, samples, key, cfg, device, entropy=False):
     for batch in equal_count(pack(samples, cfg.logprob_micro_batch_tokens), device):
         mb = micro_tensors(batch, device)
         out = model.token_logprobs(mb["input_ids"], mb["targets"], cu_seqlens=mb["cu_seqlens"],
-                                   return_entropy=entropy)
+                                   return_entropy=entropy, temperature=cfg.temperature)
         logp, ent = out if entropy else (out, None)
         for s, lp in zip(batch, logp[0].split(mb["lengths"])):
             s[key] = lp.float()
@@ -602,7 +611,7 @@ def update(model, opt, samples, num_tokens, num_seqs, cfg, device, world):
     for batch in equal_count(pack(samples, cfg.micro_batch_tokens), device):
         mb = micro_tensors(batch, device)
         out = model.token_logprobs(mb["input_ids"], mb["targets"], cu_seqlens=mb["cu_seqlens"],
-                                   return_entropy=want_ent)
+                                   return_entropy=want_ent, temperature=cfg.temperature)
         logp, ent = out if want_ent else (out, None)
         dummy = batch[0].get("dummy", False)
         old = logp.detach() if dummy else cat_key(batch, "old_logprobs", device)
@@ -711,10 +720,22 @@ def set_rng_state(s):
         torch.cuda.set_rng_state_all(s["cuda"])
 
 
-def rollout_seed(seed, step, rank):
-    """The sampler's seed for one rank's rollout at one step (fixed by seed, step, rank, so a
-    resumed step samples exactly what the interrupted one would have)."""
-    return zlib.crc32(f"rl:{seed}:{step}:{rank}".encode()) % 2**31
+def problem_seed(seed, step, position):
+    """The sampler's seed for the problem at `position` of step `step`'s batch: fixed by the run's
+    seed, so a resumed step samples exactly what the interrupted one would have, and independent
+    of which rank rolls it out, so 1 and N processes sample the same trajectories."""
+    return zlib.crc32(f"rl:{seed}:{step}:{position}".encode()) % 2**31
+
+
+def run_rollout(model, tokenizer, problems, seeds, cfg, sandbox):
+    """rollout.rollout with one sampler seed per problem. Until rollout.py takes `seeds`, the
+    seed of the first problem seeds the whole call (then samples depend on the rank's share)."""
+    import inspect
+    import rollout
+    rcfg = rollout_config(cfg, seeds[0] if seeds else None)
+    if "seeds" in inspect.signature(rollout.rollout).parameters:
+        return rollout.rollout(model, tokenizer, problems, rcfg, sandbox=sandbox, seeds=seeds)
+    return rollout.rollout(model, tokenizer, problems, rcfg, sandbox=sandbox)
 
 
 # -----------------------------------------------------------------------------
@@ -804,7 +825,6 @@ def check_config(cfg, world):
 
 def train(cfg):
     """Run GRPO-TCR as configured; returns the summary dict (also in out_dir/summary.json)."""
-    import rollout
     import sandbox
 
     rank, world, device = setup_distributed() if not distributed() else (dist.get_rank(), dist.get_world_size(),
@@ -850,8 +870,8 @@ def train(cfg):
         t0, tsandbox.seconds = time.time(), 0.0
         model.eval()
         with full_weights(model):
-            trajs = rollout.rollout(model, tokenizer, [batch[i] for i in mine],
-                                    rollout_config(cfg, rollout_seed(cfg.seed, step, rank)), sandbox=tsandbox)
+            trajs = run_rollout(model, tokenizer, [batch[i] for i in mine],
+                                [problem_seed(cfg.seed, step, i) for i in mine], cfg, tsandbox)
         times["rollout"], times["sandbox"] = time.time() - t0, tsandbox.seconds
 
         # 2. rewards and advantages (a problem's group is all on this rank)
@@ -891,7 +911,7 @@ def train(cfg):
                     continue
                 stats = update(model, opt, part, num_tokens, int(num_seqs), cfg, device, world)
                 if not all(math.isfinite(v) for v in (stats["loss"], stats["grad_norm"])):
-                    raise SystemExit(f"step {step}: loss {stats['loss']} / grad norm {stats['grad_norm']} is not "
+                    raise SystemExit(f"step {step + 1}: loss {stats['loss']} / grad norm {stats['grad_norm']} is not "
                                      f"finite; stopping before the optimizer step (last checkpoint: "
                                      f"{latest_checkpoint(cfg) or 'none'})")
                 opt.step()

@@ -199,3 +199,201 @@ def test_bad_record_stops_with_file_and_line(tmp_path):
     path.write_text('{"prompt": "1+1?", "answer": "2", "kind": "math"}\n{not json\n')
     with pytest.raises(SystemExit, match=r"rl\.jsonl: line 2"):
         rl.load_problems(str(path))
+
+
+# -----------------------------------------------------------------------------
+# whole steps on a tiny model: real rollouts, real sandbox calls
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PAIRS = [(12, 34), (56, 78), (49, 97), (20, 30)]
+
+
+def tool_messages(a, b):
+    return [{"role": "user", "content": f"What is {a} * {b}?"},
+            {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
+                "name": "code_interpreter", "arguments": {"code": f"print({a} * {b})"}}}]},
+            {"role": "tool", "content": str(a * b)},
+            {"role": "assistant", "content": f"\\boxed{{{a * b}}}"}]
+
+
+@pytest.fixture(scope="session")
+def tool_policy(tmp_path_factory):
+    """A very small model taught for a few seconds to answer two problems with a code-tool call:
+    sampled at temperature 1 it makes real tool calls, some right, some broken, so groups have
+    different rewards and the update is not trivial."""
+    from data.tiny import build_tiny_checkpoint
+    from model import Transformer, cu_seqlens_from_lengths
+    from sandbox import TOOL_SCHEMA
+    from transformers import AutoTokenizer
+    path = build_tiny_checkpoint(str(tmp_path_factory.mktemp("tool_policy")), seed=0, hidden_size=64,
+                                 intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                                 num_key_value_heads=1, head_dim=32)
+    tok = AutoTokenizer.from_pretrained(path)
+    model = Transformer.from_pretrained(path)
+    seqs = []
+    for a, b in PAIRS[:2]:
+        msgs = tool_messages(a, b)
+        full = tok.encode(tok.apply_chat_template(msgs, tools=[TOOL_SCHEMA], tokenize=False), add_special_tokens=False)
+        prompt = tok.encode(tok.apply_chat_template(msgs[:1], tools=[TOOL_SCHEMA], add_generation_prompt=True,
+                                                    tokenize=False), add_special_tokens=False)
+        seqs.append((full, len(prompt)))
+    ids = torch.tensor([sum((f[:-1] for f, _ in seqs), [])])
+    targets = torch.tensor([sum((f[1:] for f, _ in seqs), [])])
+    weight = torch.tensor([sum(([0.0] * (p - 1) + [1.0] * (len(f) - p) for f, p in seqs), [])])
+    cu = cu_seqlens_from_lengths([len(f) - 1 for f, _ in seqs])
+    torch.manual_seed(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    model.train()
+    for _ in range(70):
+        loss = -(model.token_logprobs(ids, targets, cu_seqlens=cu) * weight).sum() / weight.sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.save_pretrained(path)
+    data = tmp_path_factory.mktemp("rl_data")
+    rows = [{"prompt": f"What is {a} * {b}?", "answer": str(a * b), "kind": "math"} for a, b in PAIRS]
+    (data / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (data / "heldout.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[1:3]))
+    return path, str(data / "train.jsonl"), str(data / "heldout.jsonl")
+
+
+def small_run(tool_policy, out_dir, **overrides):
+    model, train, _ = tool_policy
+    options = dict(model=model, data=train, out_dir=str(out_dir), steps=2, prompts_per_step=4,
+                   samples_per_prompt=4, mini_batch_prompts=2, max_response_tokens=80, overlong_buffer=32,
+                   max_turns=3, tool_timeout=5.0, lr=1e-4, save_every=1, micro_batch_tokens=600,
+                   logprob_micro_batch_tokens=1200, activation_checkpointing=False, score_workers=2,
+                   log_samples=0, eval_every=0)
+    options.update(overrides)
+    return options
+
+
+def as_args(options):
+    return [f"--{k}={v}" for k, v in options.items()]
+
+
+def weights(run_dir, step):
+    from safetensors.torch import load_file
+    return load_file(os.path.join(run_dir, "checkpoints", f"step_{step:06d}", "model", "model.safetensors"))
+
+
+def max_diff(a, b):
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def metrics(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return {r["step"]: r for r in map(json.loads, f) if "step" in r}
+
+
+@pytest.fixture(scope="session")
+def reference_run(tool_policy, tmp_path_factory):
+    """Two uninterrupted steps in this process, with held-out evaluation before and after."""
+    out = tmp_path_factory.mktemp("rl_reference")
+    cfg = Config(**small_run(tool_policy, out, eval_data=tool_policy[2], eval_n=2))
+    summary = rl.train(cfg)
+    return str(out), summary
+
+
+def test_two_steps_single_process(reference_run, tool_policy):
+    out, summary = reference_run
+    m = metrics(out)
+    assert sorted(m) == [1, 2]
+    first = m[1]
+    for key in ("reward", "accuracy", "tool_calls_per_traj", "tool_call_success", "response_length", "truncated",
+                "clip_high", "clip_low", "clip_dual", "entropy", "approx_kl", "grad_norm", "mismatch_mean",
+                "mismatch_max", "mismatch_outside"):
+        assert key in first and first[key] is not None, key
+    assert set(first["time"]) >= {"rollout", "sandbox", "score", "old_logprob", "update", "step"}
+    assert first["updates"] == 2                        # 4 prompts, mini-batches of 2
+    assert first["tool_calls_per_traj"] > 0 and first["time"]["sandbox"] > 0   # the sandbox really ran
+    assert first["grad_norm"] > 0 and first["groups_all_equal"] < 1           # a real update
+    assert first["mismatch_mean"] < 1e-3          # one module samples and trains
+    # the update moved the weights; the checkpoint is a Hugging Face dir with a tokenizer
+    start = Transformer_weights(tool_policy[0])
+    assert max_diff(weights(out, 1), start) > 1e-5
+    assert os.path.exists(os.path.join(out, "checkpoints", "step_000002", "model", "tokenizer.json"))
+    assert open(os.path.join(out, "checkpoints", "latest")).read().strip() == "step_000002"
+    assert summary["before"]["accuracy"] is not None and summary["after"]["accuracy"] is not None
+    on_disk = json.load(open(os.path.join(out, "summary.json")))
+    assert set(on_disk) >= {"before", "after", "config"}
+
+
+def Transformer_weights(path):
+    from safetensors.torch import load_file
+    return load_file(os.path.join(path, "model.safetensors"))
+
+
+def test_kill_and_resume_reproduces_the_run(reference_run, tool_policy, tmp_path):
+    """Kill a run (SIGKILL) once its first checkpoint is on disk, start it again: the result is
+    the uninterrupted run's, bit for bit (which also shows evaluation leaves training alone:
+    the reference evaluated before and after, this run does not)."""
+    ref_dir, _ = reference_run
+    out = tmp_path / "killed"
+    options = small_run(tool_policy, out)
+    proc = subprocess.Popen([sys.executable, "rl.py", *as_args(options)], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    latest = out / "checkpoints" / "latest"
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+        if latest.exists() and latest.read_text().strip() == "step_000001":
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert latest.exists(), "the run never wrote its first checkpoint"
+    rl.train(Config(**options))
+    assert max_diff(weights(str(out), 2), weights(ref_dir, 2)) == 0.0
+    a, b = metrics(str(out)), metrics(ref_dir)
+    assert sorted(a) == [1, 2]
+    for key in ("reward", "accuracy", "loss", "grad_norm", "clip_high", "response_length"):
+        assert a[2][key] == b[2][key], key
+
+
+def test_torchrun_two_processes_same_update(reference_run, tool_policy, tmp_path):
+    """The same global batch on 2 processes (gloo, FSDP2) gives the single process's update."""
+    import inspect
+    import rollout
+    ref_dir, _ = reference_run
+    out = tmp_path / "ddp"
+    options = small_run(tool_policy, out, steps=1)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "rl.py",
+           *as_args(options)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    if "seeds" not in inspect.signature(rollout.rollout).parameters:
+        pytest.xfail("rollout.rollout takes no per-problem seeds yet, so 2 ranks sample other trajectories")
+    a, b = metrics(str(out))[1], metrics(ref_dir)[1]
+    assert a["reward"] == b["reward"] and a["response_length"] == b["response_length"]
+    assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-6)
+    assert max_diff(weights(str(out), 1), weights(ref_dir, 1)) < 1e-5
+
+
+def test_nan_loss_stops_with_the_step(tool_policy, tmp_path, monkeypatch):
+    real = rl.grpo_tcr_loss
+
+    def nan_loss(*args, **kwargs):
+        loss, stats = real(*args, **kwargs)
+        return loss * float("nan"), stats
+
+    monkeypatch.setattr(rl, "grpo_tcr_loss", nan_loss)
+    with pytest.raises(SystemExit, match=r"step 1: loss nan"):
+        rl.train(Config(**small_run(tool_policy, tmp_path / "nan", steps=1, prompts_per_step=2, samples_per_prompt=2,
+                                    max_response_tokens=40)))
+    assert not os.path.exists(tmp_path / "nan" / "checkpoints" / "latest")
+
+
+def test_bad_record_stops_the_run(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"prompt": "1+1?", "answer": "2", "kind": "math"}\n{"prompt": "", "kind": "math"}\n')
+    with pytest.raises(SystemExit, match=r"bad\.jsonl: line 2"):
+        rl.train(Config(model="unused", data=str(path), out_dir=str(tmp_path / "run")))
