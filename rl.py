@@ -645,7 +645,7 @@ def update(model, opt, samples, num_tokens, num_seqs, cfg, device, world):
 
 
 # -----------------------------------------------------------------------------
-# checkpoints: <out_dir>/checkpoints/step_000030/{model/ (HF dir + tokenizer), state.pt}
+# checkpoints: <out_dir>/checkpoints/step_000030/{model/ (HF dir + tokenizer), optimizer.pt, state.pt}
 
 
 def checkpoint_dir(cfg):
@@ -688,8 +688,8 @@ def save_checkpoint(model, opt, tokenizer, cfg, step, rank, extra):
         plain.lm_head.weight = plain.model.embed_tokens.weight
     plain.save_pretrained(os.path.join(tmp, "model"))
     tokenizer.save_pretrained(os.path.join(tmp, "model"))
-    torch.save(dict(step=step, config=asdict(cfg), optimizer=optim, rng=rng_state(), **extra),
-               os.path.join(tmp, "state.pt"))
+    torch.save(optim, os.path.join(tmp, "optimizer.pt"))  # big (2x the fp32 weights): rank 0 reads it
+    torch.save(dict(step=step, config=asdict(cfg), rng=rng_state(), **extra), os.path.join(tmp, "state.pt"))
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     with open(os.path.join(root, "latest.tmp"), "w") as f:
@@ -701,11 +701,12 @@ def save_checkpoint(model, opt, tokenizer, cfg, step, rank, extra):
     return final
 
 
-def load_optimizer(model, opt, state, rank):
+def load_optimizer(model, opt, path, rank):
+    """Rank 0 reads the full optimizer state and FSDP scatters each rank its shard."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=distributed())
-    set_optimizer_state_dict(model, opt, state["optimizer"] if rank == 0 or not distributed() else {},
-                             options=options)
+    full = torch.load(os.path.join(path, "optimizer.pt"), weights_only=False) if rank == 0 else {}
+    set_optimizer_state_dict(model, opt, full, options=StateDictOptions(full_state_dict=True,
+                                                                       broadcast_from_rank0=distributed()))
 
 
 def rng_state():
@@ -782,10 +783,16 @@ def resolve_model(path):
     return snapshot_download(path)
 
 
-def prepare_toy(cfg, rank):
-    """The SFT start of the toy demo (issue 8). Not built yet."""
-    raise SystemExit("--model toy: the toy pipeline (issue 8: data/toy.py + sft.py) is not wired in yet; "
-                     "pass --model DIR --data FILE.jsonl")
+def prepare_toy(cfg):
+    """The toy demo's start (issue 8): sft.py's toy run (a tiny model from scratch taught the
+    tool-call format on data/toy.py's trajectories; it also writes the toy problems the TOY
+    preset points at), reused when its checkpoint is already there."""
+    import sft
+    sft_dir = os.path.join(os.path.dirname(os.path.normpath(cfg.out_dir)), "sft")
+    start = os.path.join(sft_dir, "final")
+    if not os.path.exists(os.path.join(start, "config.json")):
+        start = sft.train(sft.toy_config(out_dir=sft_dir, seed=cfg.seed, progress=False))
+    return replace(cfg, model=start)
 
 
 def build(cfg, rank, world, device):
@@ -833,7 +840,7 @@ def train(cfg):
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     if cfg.model == "toy":
-        cfg = prepare_toy(cfg, rank)
+        cfg = prepare_toy(cfg)
     problems = load_problems(cfg.data)
     eval_problems = load_problems(cfg.eval_data) if cfg.eval_data else []
     if cfg.eval_limit:
@@ -844,7 +851,7 @@ def train(cfg):
     start, evals = 0, {}
     if resume_from:
         state = torch.load(os.path.join(resume_from, "state.pt"), weights_only=False)
-        load_optimizer(model, opt, state, rank)
+        load_optimizer(model, opt, resume_from, rank)
         set_rng_state(state["rng"])
         start, evals = state["step"], state.get("evals", {})
         log(rank, f"resumed from {resume_from} at step {start}")
