@@ -3,8 +3,8 @@
 `build_tiny_checkpoint(dir)` writes config.json + model.safetensors (random tiny Qwen3 weights)
 and a tokenizer that `transformers.AutoTokenizer` loads: byte-level BPE trained here on a small
 built-in corpus, Qwen's special tokens (`<|endoftext|>`, `<|im_start|>`, `<|im_end|>`), the
-tool-call markers as single added tokens (as in Qwen's vocabulary), digits split one by one (as
-Qwen's pre-tokenizer does), and a chat template that renders the Qwen3 tool-use layout:
+tool-call markers as single added tokens (as in Qwen's vocabulary), digits in groups of up to
+three (as GPT-4's tokenizer; Qwen splits them one by one), and a chat template that renders the Qwen3 tool-use layout:
 tool system block, `<tool_call>` JSON on assistant turns, tool replies as `<tool_response>`
 inside a user turn, and the generation prompt. Real Qwen checkpoints go through the same code
 paths; nothing here is special-cased downstream.
@@ -28,7 +28,7 @@ TINY_CONFIG = dict(
     rope_theta=10000.0, max_position_embeddings=4096, tie_word_embeddings=True,
     attention_bias=False, dtype="float32",
 )
-VOCAB_SIZE = 1024
+VOCAB_SIZE = 2048
 
 # The Qwen3 chat layout with tools, written as a Jinja template. Messages may carry tool calls as
 # {"type": "function", "function": {"name", "arguments"}} or {"name", "arguments"}; arguments as
@@ -68,8 +68,10 @@ CHAT_TEMPLATE = r"""
 {%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}
 """.strip()
 
-# Qwen2's pre-tokenizer split: contractions, words, single digits, punctuation runs, newlines, spaces.
-SPLIT_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+# Qwen2's pre-tokenizer split (contractions, words, punctuation runs, newlines, spaces), except that
+# digits go in groups of up to three, as in GPT-4's cl100k: a 3-digit number is one token, so the toy
+# model can copy numbers between prompt, code and tool output without first learning digit-wise copying.
+SPLIT_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                  r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 
@@ -87,10 +89,11 @@ def _corpus():
              "The result of the computation is. I will write Python code to compute this. "
              "<tool_call>\n{\"name\": \"code_interpreter\", \"arguments\": {\"code\": \"print(1)\"}}\n</tool_call> "
              "<tool_response>\n1\n</tool_response> the sum of the digits of modulo times plus minus "
-             "What is 12 * 34? What is 56 * 78 mod 9? What is the sum of the digits of 12**5? "
+             "What is 12 * 34? What is (56 * 78) % 9? What is the sum of the digits of 12**5? "
              "Use the code tool, then give the final answer in \\boxed{}. The answer is \\boxed{7}. "
              "NameError: name 'pritn' is not defined SyntaxError: invalid syntax. Perhaps you forgot a comma? ")
-    return [layout, tool_json, python, prose] * 20
+    numbers = " ".join(f"{i:0{w}d}" for w in (2, 3) for i in range(10 ** w))  # every digit group is one token
+    return [layout, tool_json, python, prose] * 20 + [numbers] * 4
 
 
 def build_tokenizer(path, vocab_size=VOCAB_SIZE):

@@ -38,7 +38,7 @@ def make_problem(rng, kind, digits=3):
         question, code, answer = f"What is {a} * {b}?", f"print({a} * {b})", a * b
     elif kind == "mod":
         a, b, m = _number(rng, digits), _number(rng, digits), rng.randint(7, 99)
-        question, code, answer = f"What is {a} * {b} mod {m}?", f"print({a} * {b} % {m})", a * b % m
+        question, code, answer = f"What is ({a} * {b}) % {m}?", f"print(({a} * {b}) % {m})", a * b % m
     elif kind == "digitsum":
         a, k = _number(rng, max(2, digits - 1)), rng.randint(5, 12)
         question = f"What is the sum of the digits of {a}**{k}?"

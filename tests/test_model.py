@@ -8,7 +8,15 @@ from transformers import AutoModelForCausalLM, Qwen2Config, Qwen3Config
 
 from model import ModelConfig, Transformer, cu_seqlens_from_lengths
 
-torch.set_grad_enabled(False)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def no_grad():
+    """Inference in this file (tests that need gradients enable them locally); restored afterwards
+    so the switch does not leak into other files."""
+    torch.set_grad_enabled(False)
+    yield
+    torch.set_grad_enabled(True)
 
 
 def hf_model(kind, tie, tmp_path, **kw):

@@ -14,7 +14,14 @@ from model import Transformer
 from rollout import ChatFormat, Engine, RolloutConfig, ScriptedModel, complete, generate, sample
 from sandbox import TOOL_SCHEMA
 
-torch.set_grad_enabled(False)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def no_grad():
+    """Inference in this file; restored afterwards so the switch does not leak into other files."""
+    torch.set_grad_enabled(False)
+    yield
+    torch.set_grad_enabled(True)
 
 
 @pytest.fixture(autouse=True, scope="module")
