@@ -43,13 +43,15 @@ MEMORY PLAN (Qwen3-4B, 8 x 80 GB, one node)
     sharded fp32 params 2.0 GB + grads 2.0 GB + Adam m, v 4.0 GB            =  8 GB
   Rollout: `full_weights` all-gathers every block in bf16 (MixedPrecisionPolicy
     param_dtype=bf16) once per step and keeps them for the whole generation:   +8 GB
-  KV cache: 36 layers x 8 kv heads x 128 dims x 2 (k, v) x 2 bytes = 147 KB per token.
-    With ~55 GB left for it after weights, states and workspace: ~370k tokens, i.e. 128
-    concurrent trajectories (8 prompts x 16 samples per rank) averaging 2.9k tokens, or 16
-    at the full 23k budget; rollout.py's paged cache admits trajectories as pages free up.
+  KV cache: 36 layers x 8 kv heads x 128 dims x 2 (k, v) x 2 bytes = 144 KiB per token.
+    rollout.py's Engine takes 70% of the memory still free (80 - 16 GB): ~45 GB, ~300k
+    tokens, i.e. all 128 trajectories of a rank (8 prompts x 16 samples) at 2.3k tokens
+    each, or 13 at the full 22.5k budget; the paged cache admits trajectories as blocks free
+    up and preempts (recomputes) the newest when it runs out.
   Update: bf16 compute, activation checkpointing per block, micro-batches of at most
-    micro_batch_tokens = 23040 tokens (one full-length trajectory), log-probs chunked so
-    no [T, 151936] fp32 logits exist (model.token_logprobs): a few GB of activations.
+    micro_batch_tokens = 23040 tokens (one full-length trajectory): saved block inputs
+    36 x 23040 x 2560 x 2 B = 4.2 GB, one block's recompute ~1.5 GB, log-probs chunked so
+    no [T, 151936] fp32 logits exist (model.token_logprobs): peak ~8 + 7 = ~15 GB.
   No optimizer or parameter offload is needed: 8 GB of state per GPU. The full weights
     are freed (reshard) before the update, so rollout and update peaks do not add up.
   Checkpoints gather a full state dict on rank 0's host (16 GB weights in fp32 + 32 GB
@@ -60,7 +62,14 @@ Distributed
   torchrun sets RANK / WORLD_SIZE / LOCAL_RANK: device = cuda:LOCAL_RANK (CPU with gloo
   when there is no GPU), problems are dealt by global rank, so `torchrun --nnodes N`
   needs no change. Tested: CPU, 1 and 2 processes (gloo). Not tested: GPUs, NCCL, more
-  than one node. Each rank uses sandbox.py's process pool on its own node.
+  than one node. Each rank uses sandbox.py's process pool on its own node. Without
+  torchrun the model is a plain module in float32 (the CPU path); on one GPU use
+  `torchrun --nproc_per_node 1 rl.py ...` to get FSDP2's bf16 compute.
+  A rank's micro-batch count is padded to the largest over ranks with empty micro-batches,
+  because every FSDP forward and backward is a collective.
+  Each problem of a step has its own sampler seed (problem_seed), so 1 and N processes
+  sample the same trajectories -- once rollout.rollout takes per-problem `seeds`; until
+  then one seed per rank's call is used and samples depend on the rank's share.
 
 Commands
   python rl.py                                   # the toy CPU demo (issue 8), all defaults
@@ -69,7 +78,10 @@ Commands
       --model Gen-Verse/Qwen3-4B-RA-SFT --data data/rl.jsonl \\
       --eval_data data/eval/aime25.jsonl --out_dir runs/grpo_tcr          # the paper's recipe
   Ablations: --clip_higher=false --overlong=false  (GRPO-T);  --loss_agg=seq-mean-token-mean
-  (GRPO-SCR).  Every field of Config is an option: --name=value or --name value.
+  (GRPO-SCR).  Every field of Config is an option: --name=value or --name value; after
+  torchrun, `rl.py -- --name=value` keeps torchrun from reading abbreviations of its own.
+  With --model toy (the default) the TOY values below replace the recipe's defaults, and the
+  start is sft.py's toy checkpoint (trained first when <out_dir>/../sft/final is missing).
 """
 
 import ast

@@ -1,5 +1,11 @@
 """rl.py: each piece against hand-computed values, then whole steps on the tiny model."""
+import json
 import math
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -204,14 +210,6 @@ def test_bad_record_stops_with_file_and_line(tmp_path):
 # -----------------------------------------------------------------------------
 # whole steps on a tiny model: real rollouts, real sandbox calls
 
-import json
-import os
-import random
-import signal
-import subprocess
-import sys
-import time
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAIRS = [(12, 34), (56, 78), (49, 97), (20, 30)]
 
@@ -318,7 +316,7 @@ def test_two_steps_single_process(reference_run, tool_policy):
     assert first["grad_norm"] > 0 and first["groups_all_equal"] < 1           # a real update
     assert first["mismatch_mean"] < 1e-3          # one module samples and trains
     # the update moved the weights; the checkpoint is a Hugging Face dir with a tokenizer
-    start = Transformer_weights(tool_policy[0])
+    start = checkpoint_weights(tool_policy[0])
     assert max_diff(weights(out, 1), start) > 1e-5
     assert os.path.exists(os.path.join(out, "checkpoints", "step_000002", "model", "tokenizer.json"))
     assert open(os.path.join(out, "checkpoints", "latest")).read().strip() == "step_000002"
@@ -327,7 +325,7 @@ def test_two_steps_single_process(reference_run, tool_policy):
     assert set(on_disk) >= {"before", "after", "config"}
 
 
-def Transformer_weights(path):
+def checkpoint_weights(path):
     from safetensors.torch import load_file
     return load_file(os.path.join(path, "model.safetensors"))
 
