@@ -16,9 +16,11 @@ What it does
 - Packs trajectories into micro-batches of at most `micro_batch_tokens` tokens (first-fit
   decreasing); attention stays inside each trajectory through `cu_seqlens` (flash-attn varlen on
   GPU, one SDPA call per trajectory on CPU). Trajectories over `max_len` are truncated or dropped
-  (`too_long`), counted and reported. "Padding waste" is the share of the micro-batch token budget
-  left empty (1 - tokens / (micro-batches x ranks x budget)): nothing is padded, but an emptier
-  budget means more micro-steps for the same tokens.
+  (`too_long`), counted and reported. Nothing is padded, so "padding waste" is the compute lost
+  to lockstep: ranks run their micro-batches in step, so each micro-step costs what its largest
+  micro-batch over the ranks costs; waste = 1 - tokens / (sum over micro-steps of that largest
+  size x ranks). One process has none. `budget_fill` (tokens / (micro-steps x ranks x budget))
+  shows how full the packing is. Both are logged per step and per epoch.
 - Trains with FSDP2 (`fully_shard` per decoder block, then the root), fp32 master weights with bf16
   compute and fp32 gradient reduction on GPU (plain fp32 with gloo on CPU), activation
   checkpointing, AdamW, linear warmup then cosine decay, gradient clipping, and gradient
@@ -77,7 +79,7 @@ from model import Transformer, cu_seqlens_from_lengths
 class Config:
     # what to train on
     model: str = "tiny"          # HF checkpoint dir or hub snapshot; "tiny": build the toy model (data.tiny)
-    data: str = "toy"            # SFT jsonl; "toy": write the toy task's trajectories (data/toy.py)
+    data: str = "toy"            # SFT jsonl; "toy": the toy task's (data/toy.py, written to runs/toy/data/)
     out_dir: str = "runs/sft"
     # the recipe: repo SFT script (Open-AgentRL, qwen3-4b-ra-sft) and verl's sft_trainer.yaml defaults
     epochs: int = 5              # repo script: trainer.total_epochs=5
@@ -111,7 +113,7 @@ class Config:
 
 # The toy pipeline's values (python sft.py, issue 8): a ~1M-parameter model from scratch learns far
 # faster than a 4B model is fine-tuned, and toy trajectories are short.
-TOY = dict(out_dir="runs/toy/sft", epochs=3, batch_size=16, lr=2e-3, max_len=2048, micro_batch_tokens=4096,
+TOY = dict(out_dir="runs/toy/sft", epochs=3, batch_size=16, lr=2e-3, max_len=2048, micro_batch_tokens=8192,
            eval_every=20, save_every=0, gradient_checkpointing=False)
 
 
@@ -513,17 +515,17 @@ def prepare_model(cfg, rank):
     return path
 
 
+TOY_DATA = "runs/toy/data"  # data.toy.build writes sft.jsonl, train.jsonl, heldout.jsonl here (rl.py reads the last two)
+
+
 def prepare_data(cfg, rank):
-    """cfg.data, or for "toy" the toy task's SFT trajectories written into out_dir (rank 0 writes)."""
+    """cfg.data, or for "toy" the toy task's SFT trajectories (rank 0 writes them if missing)."""
     if cfg.data != "toy":
         return cfg.data
-    path = os.path.join(cfg.out_dir, "toy_sft.jsonl")
+    path = os.path.join(TOY_DATA, "sft.jsonl")
     if rank == 0 and not os.path.exists(path):
-        try:
-            from data import toy
-        except ImportError as e:
-            raise SystemExit(f"--data=toy needs data/toy.py ({e}); pass --data=FILE.jsonl instead")
-        toy.write_sft_data(path, seed=cfg.seed)
+        from data import toy
+        toy.build(TOY_DATA, seed=cfg.seed)
     dist.barrier()
     return path
 
@@ -664,7 +666,7 @@ def _train(cfg, rank, world, device, tqdm, AutoTokenizer):
     if step == 0:
         held_out(0)
     bar = tqdm(total=total_steps, initial=step, disable=not (rank == 0 and cfg.progress), desc="sft")
-    epoch_tokens = epoch_capacity = 0
+    epoch_tokens = epoch_slots = epoch_budget = 0
     last_saved, path = None, None
     run_tokens, run_time = 0, 0.0
     while step < total_steps:
@@ -692,20 +694,26 @@ def _train(cfg, rank, world, device, tqdm, AutoTokenizer):
         step += 1
         seconds = time.time() - t_step
         run_tokens, run_time = run_tokens + tokens, run_time + seconds
-        capacity = len(micro[0]) * world * cfg.micro_batch_tokens
-        epoch_tokens, epoch_capacity = epoch_tokens + tokens, epoch_capacity + capacity
+        slots = world * sum(max(sum(lengths[i] for i in micro[r][k]) for r in range(world))
+                            for k in range(len(micro[0])))
+        budget = len(micro[0]) * world * cfg.micro_batch_tokens
+        epoch_tokens, epoch_slots, epoch_budget = epoch_tokens + tokens, epoch_slots + slots, epoch_budget + budget
         entry = dict(event="train", step=step, epoch=epoch, loss=float(nll_sum) / loss_tokens, lr=lr,
                      grad_norm=grad_norm, tokens=tokens, loss_tokens=loss_tokens, micro_batches=len(micro[0]),
-                     padding_waste=1 - tokens / capacity, tokens_per_s=tokens / seconds, seconds=seconds)
+                     padding_waste=1 - tokens / slots, budget_fill=tokens / budget, tokens_per_s=tokens / seconds,
+                     seconds=seconds)
         record(entry)
         bar.update(1)
         bar.set_postfix(loss=f"{entry['loss']:.4f}", lr=f"{lr:.2e}", tok_s=f"{entry['tokens_per_s']:.0f}")
         if not cfg.progress and step % cfg.log_every == 0:
             log(f"step {step}/{total_steps} loss {entry['loss']:.4f} lr {lr:.2e} grad norm {grad_norm:.3f} "
-                f"{entry['tokens_per_s']:.0f} tok/s waste {entry['padding_waste']:.1%}")
+                f"{entry['tokens_per_s']:.0f} tok/s, waste {entry['padding_waste']:.1%}, fill {entry['budget_fill']:.1%}")
         if step % steps_per_epoch == 0 or step == total_steps:
-            record(dict(event="epoch", step=step, epoch=epoch, padding_waste=1 - epoch_tokens / epoch_capacity))
-            epoch_tokens = epoch_capacity = 0
+            record(dict(event="epoch", step=step, epoch=epoch, padding_waste=1 - epoch_tokens / epoch_slots,
+                        budget_fill=epoch_tokens / epoch_budget))
+            log(f"epoch {epoch}: padding waste {1 - epoch_tokens / epoch_slots:.1%}, "
+                f"budget fill {epoch_tokens / epoch_budget:.1%}")
+            epoch_tokens = epoch_slots = epoch_budget = 0
         if cfg.eval_every and step % cfg.eval_every == 0 and step != total_steps:
             held_out(step)
         if (cfg.save_every and step % cfg.save_every == 0) or step == total_steps:
