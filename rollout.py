@@ -15,7 +15,8 @@ What it does
   * A step either prefills the new / resumed sequences as one packed variable-length batch or
     decodes one token for every running sequence. On CUDA with flash-attn installed, attention
     reads the paged cache directly (`flash_attn_varlen_func` / `flash_attn_with_kvcache` with a
-    block table); elsewhere a torch SDPA path gathers each sequence's blocks, same math.
+    block table); elsewhere a torch SDPA path gathers each sequence's blocks (decode rows sorted
+    by length and attended in groups, so a ragged batch is not padded to its longest row).
   * Sampling: greedy at temperature 0; temperature, top-k, then top-p (the smallest set of most
     probable tokens whose mass reaches top_p, computed on the top-k distribution), by inverse-CDF
     from one uniform per token drawn from the sequence's own seeded `torch.Generator`, so a seeded
@@ -52,11 +53,12 @@ Departures from the paper (which samples with vLLM inside verl's agent loop)
 Usage
     python rollout.py --model DIR [--device=cuda] [--temperature=0.7] [--max_turns=8] ...
         # chat REPL with the code tool; any RolloutConfig field as --name=value; /reset, /quit
-    python rollout.py --bench [--quick]
+    python rollout.py --bench [--quick] [--threads=1]
         # random Qwen3 on CPU (or --device=cuda): tokens/s of generate vs transformers.generate at
-        # batch 32 (greedy tokens checked identical), continuous vs static batching on long-tailed
-        # lengths, tool latency overlapped vs blocking; --bench4b adds decode tokens/s of a random
-        # Qwen3-4B-shaped model at batch 64 and 256 (meant for a GPU)
+        # batch 32, equal and ragged prompt lengths (greedy tokens checked identical), continuous vs
+        # static batching on long-tailed lengths, tool latency overlapped vs blocking; wall and CPU
+        # time (on a shared machine prefer --threads=1 and the CPU-time figures). --bench4b adds
+        # decode tokens/s of a random Qwen3-4B-shaped model at batch 64 and 256 (meant for a GPU)
 No torchrun form: the sampler runs inside each rl.py / evaluate.py rank on its own GPU.
 """
 
@@ -68,7 +70,7 @@ import re
 import sys
 import time
 from collections import deque
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields
 
 import torch
 import torch.nn as nn
@@ -269,6 +271,7 @@ class PagedKVCache:
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.num_hidden_layers)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.num_hidden_layers)]
         self.block_size, self.device, self.use_flash = block_size, device, use_flash
+        self.workspace = None  # gathered k, v of one layer (CPU/SDPA path), reused by every layer and step
 
     def _tensor(self, values, dtype):
         t = torch.tensor(values, dtype=dtype)
@@ -302,11 +305,26 @@ class PagedKVCache:
         if self.use_flash and not decode:
             self.cu_q_t = self._tensor(cu_q, torch.int32)
             self.cu_k_t = self._tensor([0] + torch.tensor(k_lens).cumsum(0).tolist(), torch.int32)
-        if decode and not self.use_flash:  # padded gather of every block: one mask for all layers
-            L = max_blocks * bs
-            self.decode_mask = (torch.arange(L, device=self.device) < self.context_lens[:, None].long())[:, None, None, :]
+        if decode and not self.use_flash:
+            self.decode_groups = self._decode_groups(batch)
         shape = (len(batch), 1) if decode else (1, len(ids))
         return self._tensor(ids, torch.long).view(shape), self._tensor(positions, torch.long).view(shape)
+
+    def _decode_groups(self, batch):
+        """Rows (the batch comes sorted longest first) split into runs whose longest block table is
+        under twice their shortest, each with its padded block list and key mask: padding to the
+        longest sequence of the whole batch would cost a ragged batch most of its attention time."""
+        groups, start = [], 0
+        n_blocks = [len(s.block_table) for s in batch]
+        for i in range(1, len(batch) + 1):
+            if i == len(batch) or 2 * n_blocks[i] <= n_blocks[start]:
+                width = n_blocks[start]
+                blocks = self.block_tables[start:i, :width].flatten().long()
+                lengths = self.context_lens[start:i, None].long()
+                mask = (torch.arange(width * self.block_size, device=self.device) < lengths)[:, None, None, :]
+                groups.append((start, i, blocks, mask))
+                start = i
+        return groups
 
     def attend(self, layer, q, k, v):
         """Store this step's k/v in their slots, then attend over everything each sequence holds."""
@@ -323,13 +341,25 @@ class PagedKVCache:
             out = self._attend_prefill(q, k, v, k_pool, v_pool)
         return out.reshape(B, T, Hq, D)
 
+    def _gather(self, k_pool, v_pool, blocks):
+        """k, v of the given blocks, copied into the workspace: [n, block_size, Hkv, D] each."""
+        n = blocks.numel()
+        if self.workspace is None or self.workspace.shape[1] < n:
+            self.workspace = k_pool.new_empty((2, max(n, 64), *k_pool.shape[1:]))
+        k = torch.index_select(k_pool, 0, blocks, out=self.workspace[0, :n])  # much faster than pool[blocks]
+        v = torch.index_select(v_pool, 0, blocks, out=self.workspace[1, :n])
+        return k, v
+
     def _attend_decode(self, q, k_pool, v_pool):
-        # one query per sequence; keys padded to the longest block table and masked
-        B, Hq, D = q.shape
-        k = k_pool[self.block_tables].flatten(1, 2).transpose(1, 2)   # [B, Hkv, L, D]
-        v = v_pool[self.block_tables].flatten(1, 2).transpose(1, 2)
-        out = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=self.decode_mask, enable_gqa=True)
-        return out[:, :, 0]
+        # one query per sequence; within a group, keys padded to its longest block table and masked
+        outs = []
+        for start, end, blocks, mask in self.decode_groups:
+            k, v = self._gather(k_pool, v_pool, blocks)
+            k = k.view(end - start, -1, *k.shape[2:]).transpose(1, 2)   # [rows, Hkv, L, D]
+            v = v.view(end - start, -1, *v.shape[2:]).transpose(1, 2)
+            out = F.scaled_dot_product_attention(q[start:end, :, None], k, v, attn_mask=mask, enable_gqa=True)
+            outs.append(out[:, :, 0])
+        return torch.cat(outs) if len(outs) > 1 else outs[0]
 
     def _attend_prefill(self, q, k, v, k_pool, v_pool):
         # one causal attention per sequence; a sequence with cached tokens reads them from its blocks
@@ -340,9 +370,8 @@ class PagedKVCache:
             if q_len == k_len:
                 ki, vi, mask = k[s:e], v[s:e], None
             else:
-                table = self.block_tables[i, :-(-k_len // self.block_size)]
-                ki = k_pool[table].flatten(0, 1)[:k_len]
-                vi = v_pool[table].flatten(0, 1)[:k_len]
+                ki, vi = self._gather(k_pool, v_pool, self.block_tables[i, :-(-k_len // self.block_size)].long())
+                ki, vi = ki.flatten(0, 1)[:k_len], vi.flatten(0, 1)[:k_len]
                 # query j sits at position k_len - q_len + j and sees keys up to there
                 mask = torch.ones(q_len, k_len, dtype=torch.bool, device=q.device).tril(k_len - q_len)
             ki, vi = ki.transpose(0, 1)[None], vi.transpose(0, 1)[None]
@@ -537,6 +566,7 @@ class Engine:
             batch = self._schedule_decode()
             if not batch:
                 return []
+            batch = sorted(batch, key=len, reverse=True)  # rows of similar length attend together
         input_ids, positions = self.cache.begin(batch, decode)
         h = self.model.hidden(input_ids, positions=positions, kv_cache=self.cache)
         logits = self.model.lm_head(h.reshape(-1, h.shape[-1])[self.cache.last_index]).float()
@@ -973,56 +1003,64 @@ def chat_repl(model_dir, config, device):
 
 
 def _timed(fn):
-    t0 = time.perf_counter()
+    """(result, wall seconds, process CPU seconds): CPU time too, since a shared machine's wall
+    clock also counts the time other processes hold the cores."""
+    t0, c0 = time.perf_counter(), time.process_time()
     out = fn()
-    return out, time.perf_counter() - t0
+    return out, time.perf_counter() - t0, time.process_time() - c0
 
 
-def bench_vs_transformers(model, hf, vocab, batch, prompt_len, new_tokens):
+def bench_vs_transformers(model, hf, vocab, prompt_lens, new_tokens, label):
+    """Greedy, same prompts, same new-token count, no stop tokens; transformers gets the prompts
+    left-padded with an attention mask (how it batches ragged prompts)."""
     g = torch.Generator().manual_seed(1)
-    prompts = torch.randint(3, vocab, (batch, prompt_len), generator=g)
+    prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in prompt_lens]
+    width = max(prompt_lens)
+    padded = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     hf.generation_config.eos_token_id = None  # run the full length, as generate() does without stop ids
     hf.generation_config.pad_token_id = 0
 
     def run_hf():
         with torch.inference_mode():
-            return hf.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new_tokens,
-                               do_sample=False, temperature=None, top_p=None, top_k=None)[:, prompt_len:].tolist()
+            return hf.generate(padded, attention_mask=attn, max_new_tokens=new_tokens, do_sample=False,
+                               temperature=None, top_p=None, top_k=None)[:, width:].tolist()
 
-    def run_ours():
-        return generate(model, prompts.tolist(), new_tokens)
-
-    generate(model, prompts[:2, :8].tolist(), 4)  # warm-up both
-    hf.generate(prompts[:2, :8], attention_mask=torch.ones_like(prompts[:2, :8]), max_new_tokens=4, do_sample=False)
-    times = {"ours": [], "hf": []}
-    for _ in range(2):  # interleaved, best of two: the machine may be shared
-        ours, t = _timed(run_ours)
-        times["ours"].append(t)
-        theirs, t = _timed(run_hf)
-        times["hf"].append(t)
-    n = batch * new_tokens
+    generate(model, prompts[:2], 4)  # warm-up both
+    hf.generate(padded[:2, -8:], attention_mask=attn[:2, -8:], max_new_tokens=4, do_sample=False)
+    best = {"ours": (1e9, 1e9), "hf": (1e9, 1e9)}
+    for _ in range(2):  # interleaved, best of two
+        ours, wall, cpu = _timed(lambda: generate(model, prompts, new_tokens))
+        best["ours"] = min(best["ours"], (wall, cpu))
+        theirs, wall, cpu = _timed(run_hf)
+        best["hf"] = min(best["hf"], (wall, cpu))
+    n = len(prompts) * new_tokens
     same = sum(a == b for a, b in zip(ours, theirs))
-    t_ours, t_hf = min(times["ours"]), min(times["hf"])
-    print(f"  batch {batch}, prompt {prompt_len}, {new_tokens} new tokens each (greedy)")
-    print(f"  rollout.generate      {n / t_ours:8.1f} tok/s  ({t_ours:.2f} s)")
-    print(f"  transformers.generate {n / t_hf:8.1f} tok/s  ({t_hf:.2f} s)")
-    print(f"  ratio {t_hf / t_ours:.2f}x; identical greedy tokens in {same}/{batch} rows")
-    return t_hf / t_ours, same == batch
+    (w_ours, c_ours), (w_hf, c_hf) = best["ours"], best["hf"]
+    print(f"  {label}: batch {len(prompts)}, prompt lengths {min(prompt_lens)}..{width}, {new_tokens} new tokens each (greedy)")
+    print(f"    rollout.generate      {n / w_ours:8.1f} tok/s wall ({w_ours:.2f} s), {n / c_ours:8.1f} tok/s CPU time")
+    print(f"    transformers.generate {n / w_hf:8.1f} tok/s wall ({w_hf:.2f} s), {n / c_hf:8.1f} tok/s CPU time")
+    print(f"    ratio {w_hf / w_ours:.2f}x wall, {c_hf / c_ours:.2f}x CPU time; identical greedy tokens in {same}/{len(prompts)} rows")
+    return c_hf / c_ours, same == len(prompts)
+
+
+def long_tail(n, low, high, scale, generator):
+    """Pareto-like lengths: most short, a few long, as in agentic rollouts."""
+    return [int(min(high, low + scale * (1 / (1 - u) - 1))) for u in torch.rand(n, generator=generator).tolist()]
 
 
 def bench_continuous_batching(model, vocab, num_requests, slots, max_len):
     g = torch.Generator().manual_seed(2)
     prompts = torch.randint(3, vocab, (num_requests, 32), generator=g).tolist()
-    # long tail: most answers short, a few long (Pareto-like), as in agentic RL rollouts
-    lengths = [int(min(max_len, 8 + 16 * (1 / (1 - u) - 1))) for u in torch.rand(num_requests, generator=g).tolist()]
+    lengths = long_tail(num_requests, 8, max_len, 16, g)
     total = sum(lengths)
 
     def static():  # slots are refilled only when the whole group has finished
         for s in range(0, num_requests, slots):
             generate(model, prompts[s:s + slots], lengths[s:s + slots], max_num_seqs=slots)
 
-    _, t_static = _timed(static)
-    _, t_cont = _timed(lambda: generate(model, prompts, lengths, max_num_seqs=slots))
+    _, t_static, _ = _timed(static)
+    _, t_cont, _ = _timed(lambda: generate(model, prompts, lengths, max_num_seqs=slots))
     print(f"  {num_requests} requests, {slots} slots, lengths {min(lengths)}..{max(lengths)} (mean {total / num_requests:.0f})")
     print(f"  static batches      {total / t_static:8.1f} tok/s  ({t_static:.2f} s)")
     print(f"  continuous batching {total / t_cont:8.1f} tok/s  ({t_cont:.2f} s)")
@@ -1082,7 +1120,7 @@ def bench_tool_overlap(model, tokenizer, num_traj, delay):
     results = {}
     for name, blocking in (("blocking", True), ("overlapped", False)):
         box = DelayedSandbox(delay, blocking)
-        trajs, t = _timed(lambda: rollout(policy, tokenizer, problems, cfg, sandbox=box))
+        trajs, t, _ = _timed(lambda: rollout(policy, tokenizer, problems, cfg, sandbox=box))
         results[name] = t
         tokens = sum(len(x.response_ids) for x in trajs)
         print(f"  {name:10s}: {t:6.2f} s for {num_traj} trajectories, {tokens} tokens, {box.calls} tool calls of {delay} s "
@@ -1102,7 +1140,7 @@ def bench_4b(device, batches=(64, 256), new_tokens=64):
         generate(model, prompts[:4], 4)
         if device.type == "cuda":
             torch.cuda.synchronize()
-        _, t = _timed(lambda: generate(model, prompts, new_tokens))
+        _, t, _ = _timed(lambda: generate(model, prompts, new_tokens))
         print(f"  Qwen3-4B shape, {dtype}, batch {batch}: {batch * new_tokens / t:8.1f} tok/s end to end "
               f"(prompt 128, {new_tokens} new; flash-attn {'on' if flash_attn_with_kvcache and device.type == 'cuda' else 'off'})")
 
@@ -1113,9 +1151,9 @@ def bench(device, quick=False, with_4b=False):
     from data.tiny import build_tiny_checkpoint
     from model import Transformer
     torch.manual_seed(0)
-    path = build_tiny_checkpoint(tempfile.mkdtemp(prefix="rollout-bench-"), seed=0, hidden_size=512,
-                                 intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
-                                 num_key_value_heads=4, head_dim=64)
+    path = build_tiny_checkpoint(tempfile.mkdtemp(prefix="rollout-bench-"), seed=0, hidden_size=256,
+                                 intermediate_size=768, num_hidden_layers=8, num_attention_heads=4,
+                                 num_key_value_heads=2, head_dim=64)
     model = Transformer.from_pretrained(path, device=device)
     tokenizer = AutoTokenizer.from_pretrained(path)
     vocab = model.config.vocab_size
@@ -1123,7 +1161,10 @@ def bench(device, quick=False, with_4b=False):
           f"hidden {model.config.hidden_size}, vocab {vocab}, {device}, {torch.get_num_threads()} threads")
     print("1. generate vs transformers.generate")
     hf = AutoModelForCausalLM.from_pretrained(path).to(device).eval()
-    bench_vs_transformers(model, hf, vocab, batch=32, prompt_len=64, new_tokens=32 if quick else 128)
+    new = 32 if quick else 128
+    bench_vs_transformers(model, hf, vocab, [64] * 32, new, "equal prompts")
+    bench_vs_transformers(model, hf, vocab, long_tail(32, 16, 512, 24, torch.Generator().manual_seed(3)), new,
+                          "ragged prompts")
     del hf
     print("2. continuous batching on long-tailed lengths")
     bench_continuous_batching(model, vocab, num_requests=32 if quick else 64, slots=8 if quick else 16,
@@ -1145,7 +1186,10 @@ def main(argv=None):
     p.add_argument("--bench4b", action="store_true", help="with --bench: a Qwen3-4B-shaped decode run too")
     p.add_argument("--quick", action="store_true", help="with --bench: smaller workloads")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     args = p.parse_args(rest)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     if args.bench:
         bench(device, args.quick, args.bench4b)

@@ -1,7 +1,6 @@
 """rollout.py: the paged-KV sampler against transformers and against itself, the sampling math, and
 the agent loop on scripted trajectories (tool calls, bad calls, limits, tool-output injection, overlap)."""
 import concurrent.futures
-import json
 import time
 from types import SimpleNamespace
 
