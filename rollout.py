@@ -35,7 +35,8 @@ What it does
   The reply tokens come from the chat template itself: the template is rendered once with
   placeholder messages and split there, and tool output is encoded as plain text
   (split_special_tokens) so a special-token string in program output stays text. Token in, token
-  out: nothing already held as ids is re-tokenised.
+  out: nothing already held as ids is re-tokenised. `seeds=` (one per problem) makes a problem's
+  samples independent of which other problems share the call, so 1 and N ranks sample alike.
 - CLI: a chat REPL with the code tool, and a benchmark against transformers' generate.
 
 Departures from the paper (which samples with vLLM inside verl's agent loop)
@@ -818,12 +819,13 @@ class AgentLoop:
         fns = _sandbox_functions(sandbox)
         self.submit, self.prepare_code, self.format_output = fns["submit"], fns["prepare_code"], fns["format_tool_output"]
 
-    def run(self, prompts, keys):
-        """prompts: token-id lists; keys: (problem_index, sample_index) per prompt. Returns Agents."""
+    def run(self, prompts, keys, seeds=None):
+        """prompts: token-id lists; keys: (problem_index, sample_index) per prompt; seeds: one
+        generator seed per prompt (default: from config.seed and the position). Returns Agents."""
         cfg = self.config
         params = SamplingParams(cfg.temperature, cfg.top_p, cfg.top_k, cfg.max_response_tokens, self.chat.stop_ids)
-        agents = [Agent(i, j, Sequence(p, params, sequence_seed(cfg.seed, k)))
-                  for k, (p, (i, j)) in enumerate(zip(prompts, keys))]
+        seeds = seeds or [sequence_seed(cfg.seed, k) for k in range(len(prompts))]
+        agents = [Agent(i, j, Sequence(p, params, s)) for p, (i, j), s in zip(prompts, keys, seeds)]
         by_seq = {id(a.seq): a for a in agents}
         for a in agents:
             self.engine.add(a.seq)
@@ -894,12 +896,16 @@ class AgentLoop:
         agent.turn_start = len(seq)
 
 
-def rollout(model, tokenizer, problems, config, sandbox=None, engine=None, **engine_kwargs):
+def rollout(model, tokenizer, problems, config, sandbox=None, seeds=None, engine=None, **engine_kwargs):
     """config.n trajectories per problem, grouped by problem. sandbox: an object with submit(code,
     timeout, memory_mb) -> Future[Result] (and optionally prepare_code, format_tool_output); the
-    sandbox module by default. engine: an Engine to reuse; else engine_kwargs go to a new one."""
+    sandbox module by default. seeds: one per problem, instead of config.seed: sample j of problem
+    i then draws the same tokens whichever other problems share the call (so 1 and N ranks agree).
+    engine: an Engine to reuse; else engine_kwargs go to a new one."""
     from sandbox import TOOL_SCHEMA
     chat = ChatFormat(tokenizer, TOOL_SCHEMA)
+    if seeds is not None and len(seeds) != len(problems):
+        raise ValueError(f"{len(seeds)} seeds for {len(problems)} problems")
     prompts, keys = [], []
     for i, problem in enumerate(problems):
         ids = chat.prompt_ids(problem["prompt"])
@@ -911,7 +917,8 @@ def rollout(model, tokenizer, problems, config, sandbox=None, engine=None, **eng
     if engine is None:
         engine_kwargs.setdefault("max_seq_lens", [len(p) + config.max_response_tokens for p in prompts])
         engine = Engine(model, **engine_kwargs)
-    agents = AgentLoop(engine, chat, config, sandbox).run(prompts, keys)
+    per_sequence = [sequence_seed(seeds[i], j) for i, j in keys] if seeds is not None else None
+    agents = AgentLoop(engine, chat, config, sandbox).run(prompts, keys, per_sequence)
     return [a.trajectory(tokenizer) for a in agents]
 
 

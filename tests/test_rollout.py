@@ -431,6 +431,20 @@ def test_tool_latency_overlaps_decoding(tiny_tokenizer, tiny_ckpt, tiny_config):
     assert engine.stats["preemptions"] > 0 and engine.stats["shared_tokens"] > 0
 
 
+def test_per_problem_seeds_make_samples_independent_of_the_split(sharp, tiny_tokenizer):
+    """rl.py deals problems to ranks: with one seed per problem, a problem's samples must not
+    depend on which other problems share the call."""
+    model, _ = sharp
+    problems = [{"prompt": f"Problem {i}: add the digits."} for i in range(3)]
+    config = RolloutConfig(n=2, temperature=1.0, max_response_tokens=12)
+    seeds = [101, 202, 303]
+    together = rollout.rollout(model, tiny_tokenizer, problems, config, sandbox=FakeSandbox(), seeds=seeds)
+    alone = rollout.rollout(model, tiny_tokenizer, problems[1:2], config, sandbox=FakeSandbox(), seeds=seeds[1:2])
+    assert [t.response_ids for t in together[2:4]] == [t.response_ids for t in alone]
+    assert together[2].response_ids != together[3].response_ids       # the n samples still differ
+    assert [t.problem_index for t in alone] == [0, 0]                  # indices within the call
+
+
 def test_real_sandbox_round_trip(tiny_tokenizer, tiny_config):
     import sandbox
     if not hasattr(sandbox, "submit"):
