@@ -126,6 +126,10 @@ def parse_args(argv):
     """--name=value flags (a bare --flag sets a bool) -> Config."""
     types = {f.name: f.type for f in fields(Config)}
     given = {}
+    if any(a in ("-h", "--help") for a in argv):
+        defaults = Config()
+        raise SystemExit(__doc__ + "\nflags (default; with --model=tiny: TOY = " + repr(TOY) + "):\n" +
+                         "\n".join(f"  --{n}={getattr(defaults, n)!r}" for n in types))
     for arg in argv:
         if not arg.startswith("--"):
             raise SystemExit(f"unexpected argument {arg!r}: flags are --name=value\n{__doc__.split('Commands')[1]}")
@@ -504,9 +508,15 @@ def link_final(out_dir, path):
 
 
 def prepare_model(cfg, rank):
-    """cfg.model, or for "tiny" the toy model built from scratch into out_dir/base (rank 0 builds)."""
-    if cfg.model != "tiny":
+    """A local HF dir as is; a hub id downloaded into the HF cache (rank 0 first, the others then
+    read the cache); "tiny": the toy model built from scratch into out_dir/base (rank 0 builds)."""
+    if os.path.isdir(cfg.model):
         return cfg.model
+    if cfg.model != "tiny":
+        from huggingface_hub import snapshot_download
+        path = snapshot_download(cfg.model) if rank == 0 else None
+        dist.barrier()
+        return path or snapshot_download(cfg.model, local_files_only=True)
     path = os.path.join(cfg.out_dir, "base")
     if rank == 0 and not os.path.exists(os.path.join(path, "model.safetensors")):
         from data.tiny import build_tiny_checkpoint

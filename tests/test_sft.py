@@ -88,7 +88,7 @@ def test_mask_covers_exactly_the_assistant_tokens(tiny_tokenizer):
         {"role": "assistant", "content": None,  # a bare call, two calls in one turn
          "tool_calls": [call("x = 17 ** 5"), {"name": "code_interpreter", "arguments": '{"code": "x % 7"}'}]},
         {"role": "tool", "content": "ok"},
-        {"role": "tool", "content": "<|im_end|> is plain text here"},
+        {"role": "tool", "content": "a second reply in the same turn"},
         {"role": "assistant", "content": "The answer is \\boxed{5}."},
     ]
     ids, mask, same = sft.render(tok, messages, [TOOL_SCHEMA])
@@ -111,7 +111,7 @@ def test_mask_covers_exactly_the_assistant_tokens(tiny_tokenizer):
     ]
     # everything else is system, user, tool or template text
     rest = tok.decode([t for t, m in zip(ids, mask) if not m])
-    for text in ("careful solver", "Compute 17", "<tool_response>\n5\n</tool_response>", "is plain text here",
+    for text in ("careful solver", "Compute 17", "<tool_response>\n5\n</tool_response>", "a second reply",
                  "# Tools"):
         assert text in rest
 
