@@ -231,13 +231,22 @@ def test_torchrun_two_ranks_matches_one_process(tiny_ckpt, tmp_path):
         "chat_template" in json.load(open(os.path.join(final, "tokenizer_config.json")))
 
 
-def test_kill_and_resume_matches_uninterrupted(tiny_ckpt, tmp_path):
+@pytest.fixture
+def one_thread():
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
+def test_kill_and_resume_matches_uninterrupted(tiny_ckpt, tmp_path, one_thread):
     data = write_fixture(tmp_path / "d.jsonl", 40, seed=4)
     common = dict(epochs=2, batch_size=8, eval_size=4, eval_every=3)  # 10 steps over two epochs
     whole = config(tiny_ckpt, data, tmp_path / "whole", **common)
     parts = config(tiny_ckpt, data, tmp_path / "parts", save_every=1, **common)
-    # as many threads as this process: CPU matmuls reduce in an order that depends on the thread count
-    proc = run_cli(["sft.py", *flags(parts)], threads=torch.get_num_threads())
+    # one thread on both sides: CPU matmuls reduce in an order that depends on the thread count, and
+    # other test files may have changed this process's count
+    torch.set_num_threads(1)  # restored by the one_thread fixture
+    proc = run_cli(["sft.py", *flags(parts)], threads=1)
     try:  # SIGKILL once step 2's checkpoint is complete (the run may be anywhere in step 3 or its save)
         while not os.path.exists(os.path.join(parts.out_dir, "step_000002")) and proc.poll() is None:
             time.sleep(0.01)
