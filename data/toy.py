@@ -40,7 +40,7 @@ def make_problem(rng, kind, digits=3):
         a, b, m = _number(rng, digits), _number(rng, digits), rng.randint(7, 99)
         question, code, answer = f"What is ({a} * {b}) % {m}?", f"print(({a} * {b}) % {m})", a * b % m
     elif kind == "digitsum":
-        a, k = _number(rng, max(2, digits - 1)), rng.randint(5, 12)
+        a, k = _number(rng, digits), rng.randint(5, 12)
         question = f"What is the sum of the digits of {a}**{k}?"
         code, answer = f"print(sum(int(d) for d in str({a}**{k})))", sum(int(d) for d in str(a ** k))
     else:
@@ -60,8 +60,11 @@ def make_problems(n, split, seed=0, kinds=KINDS, digits=3):
     if split not in ("train", "heldout"):
         raise ValueError(f"split must be 'train' or 'heldout', not {split!r}")
     rng = random.Random(f"{split}-{seed}")
-    seen, out = set(), []
+    seen, out, tries = set(), [], 0
     while len(out) < n:
+        tries += 1
+        if tries > 100 * n + 10_000:
+            raise ValueError(f"cannot draw {n} distinct {split} problems of {digits} digits: raise --digits or lower n")
         p = make_problem(rng, kinds[len(out) % len(kinds)], digits)
         if is_heldout(p) == (split == "heldout") and p["prompt"] not in seen:
             seen.add(p["prompt"])
