@@ -177,6 +177,7 @@ WARMUP = {
 }
 NOBODY = 65534
 STATUSES = ("ok", "error", "timeout", "memory", "killed")
+MAX_SEND_ATTEMPTS = 3        # sends of one job to workers that die before starting it
 
 
 @dataclass
@@ -1267,6 +1268,12 @@ class _Worker:
         if hasattr(os, "pidfd_open"):
             run.pidfd = os.pidfd_open(pid)
             self.selector.register(run.pidfd, selectors.EVENT_READ, (run, "exit"))
+        # Tell the pool the run has begun: a job its worker never started is safe to
+        # send again elsewhere if the worker dies; one that started is reported killed.
+        try:
+            self.sock.sendall(_frame({"op": "started", "id": job["id"]}))
+        except OSError:
+            pass                      # the pool is gone; finish() shuts down on the result
 
     def child(self, job, workdir, stdin, out_w, err_w, address_space) -> None:
         try:
@@ -1501,6 +1508,7 @@ class _WorkerHandle:
     def __init__(self, index, proc, sock, directory):
         self.index, self.proc, self.sock, self.dir = index, proc, sock, directory
         self.inflight = {}            # job id -> (job, future, sent_at)
+        self.started = set()          # job ids the worker has begun (forked a run for)
         self.ready = False
         self.dead = False
         self.pid = proc.pid
@@ -1613,9 +1621,14 @@ class Sandbox:
             if first:
                 self._report_missing_layers(message)
                 self._ready.set()
+        elif message.get("op") == "started":
+            with self._lock:
+                worker.started.add(message["id"])
+            return
         elif message.get("op") == "result":
             with self._lock:
                 entry = worker.inflight.pop(message["id"], None)
+                worker.started.discard(message["id"])
             if entry is not None:
                 fields = {k: message[k] for k in ("status", "stdout", "stderr", "returncode",
                                                   "seconds")}
@@ -1631,6 +1644,12 @@ class Sandbox:
             worker.dead = True
             lost = worker.inflight
             worker.inflight = {}
+            # Jobs the worker never started (still in its socket or queue when it died,
+            # say it was killed from outside) go back to the front of the queue, up to
+            # MAX_SEND_ATTEMPTS sends each; a started one is reported killed.
+            unstarted = [job_id for job_id, (job, _, _) in lost.items()
+                         if job_id not in worker.started and job["attempt"] < MAX_SEND_ATTEMPTS]
+            self._pending.extendleft(reversed([lost.pop(job_id)[:2] for job_id in unstarted]))
             replace = not self._closed and not already and self._workers[worker.index] is worker
             if replace and not worker.ready:
                 self._startup_failures += 1
@@ -1675,7 +1694,7 @@ class Sandbox:
             pending = list(self._pending)
             self._pending.clear()
         for _, future in pending:
-            if future.set_running_or_notify_cancel():
+            if future.running() or future.set_running_or_notify_cancel():
                 future.set_exception(exc)
 
     def _report_missing_layers(self, hello: dict) -> None:
@@ -1708,8 +1727,9 @@ class Sandbox:
                 if worker is None:
                     break
                 job, future = self._pending.popleft()
-                if not future.set_running_or_notify_cancel():
-                    continue
+                if not future.running() and not future.set_running_or_notify_cancel():
+                    continue                  # cancelled while it waited
+                job["attempt"] += 1
                 job_id = next(self._ids)
                 worker.inflight[job_id] = (job, future, time.monotonic())
                 sends.append((worker, dict(job, op="run", id=job_id)))
@@ -1747,7 +1767,8 @@ class Sandbox:
         job = {"code": code, "stdin": stdin or "", "timeout": float(timeout),
                "memory_mb": int(memory_mb),
                "output_limit": int(output_limit or self.output_limit),
-               "disk_mb": float(disk_mb if disk_mb is not None else self.disk_mb)}
+               "disk_mb": float(disk_mb if disk_mb is not None else self.disk_mb),
+               "attempt": 0}
         future = concurrent.futures.Future()
         with self._lock:
             if self._closed:

@@ -911,3 +911,21 @@ def test_run_tests_stop_on_failure(box):
         [True, False, False, False]
     assert time.monotonic() - started < 1.0           # the looping case never ran
     assert run_tests(program, tests, timeout=1, sandbox=box) == [True, False, False, True]
+
+
+def test_jobs_sent_to_a_dying_worker_are_sent_again(box):
+    # Workers frozen before they read their jobs, then killed: the jobs never started,
+    # so the pool re-sends them to the replacements instead of reporting them killed.
+    deadline = time.monotonic() + 20
+    while len(box.worker_pids()) < 2 or not all(w.ready for w in box._workers):
+        assert time.monotonic() < deadline, "workers not ready"
+        time.sleep(0.05)
+    old = box.worker_pids()
+    for pid in old:
+        os.kill(pid, signal.SIGSTOP)
+    futures = [box.submit(f"print({i})", timeout=10) for i in range(2)]
+    time.sleep(0.2)
+    for pid in old:
+        os.kill(pid, signal.SIGKILL)
+    results = [f.result(timeout=30) for f in futures]
+    assert [(r.status, r.stdout) for r in results] == [("ok", "0\n"), ("ok", "1\n")], results
