@@ -46,7 +46,7 @@ Commands
   python evaluate.py --model DIR --data FILE.jsonl --n 4 --limit 10    # any benchmark
   torchrun --nproc_per_node 8 evaluate.py -- --model DIR --n 32   # problems split across ranks
       (the "--" stops torchrun from reading --n as an abbreviation of its own --nnodes)
-  python evaluate.py                                     # the toy task (see DEFAULT_DATA)
+  python evaluate.py                                     # the toy task (see toy_arguments)
   Every field of EvalConfig below is an option: --name=value or --name value
   (--top-p and --top_p both work).
 """
@@ -88,11 +88,26 @@ class EvalConfig:
     dtype: str = ""                     # "" = bfloat16 on CUDA, float32 on CPU
 
 
-# Where `python evaluate.py` without arguments points. Issue 8 (the toy tool-use task) sets
-# these to the toy held-out set and the checkpoint the CPU demo trains; until then a run
-# without arguments says so and exits.
-DEFAULT_MODEL = ""
-DEFAULT_DATA = ""
+def toy_arguments():
+    """`python evaluate.py` alone: the toy pipeline's held-out set (written if missing) with the
+    sampling settings `python rl.py` evaluates with, on the newest toy policy: the RL run's last
+    checkpoint, else the SFT start rl.py would use (a `python sft.py` run, else the shipped one)."""
+    import rl
+    cfg = rl.parse_args([])
+    if not os.path.exists(cfg.eval_data):
+        from data import toy
+        toy.build(os.path.dirname(cfg.eval_data), sft=False)
+    last = rl.latest_checkpoint(cfg)
+    sft_final = os.path.join(os.path.dirname(os.path.normpath(cfg.out_dir)), "sft", "final")
+    model = next((p for p in (last and os.path.join(last, "model"), sft_final, rl.SHIPPED_TOY_SFT)
+                  if p and os.path.exists(os.path.join(p, "config.json"))), None)
+    if model is None:
+        raise SystemExit("no toy checkpoint yet: run `python sft.py` or `python rl.py` first")
+    print(f"evaluate.py: the toy task, {model} on {cfg.eval_data}")
+    return [f"--model={model}", f"--data={cfg.eval_data}", f"--n={cfg.eval_n}",
+            f"--temperature={cfg.eval_temperature}", f"--top_p={cfg.eval_top_p}",
+            f"--max_prompt_tokens={cfg.max_prompt_tokens}", f"--max_response_tokens={cfg.max_response_tokens}",
+            f"--max_turns={cfg.max_turns}", f"--out={os.path.join(os.path.dirname(cfg.out_dir), 'eval')}"]
 
 BENCHMARK_TITLES = {  # Table 2 of the paper: (group, column title)
     "aime24": ("MATH", "AIME2024"),
@@ -734,11 +749,7 @@ def parse_config(argv, cls=EvalConfig):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if not argv:
-        if not DEFAULT_DATA:
-            raise SystemExit("evaluate.py without arguments will evaluate the toy task once it "
-                             "exists (issue 8); for now pass --model DIR and --data FILE.jsonl "
-                             "or --benchmarks (see --help)")
-        argv = [f"--model={DEFAULT_MODEL}", f"--data={DEFAULT_DATA}"]
+        argv = toy_arguments()
     cfg = parse_config(argv)
     if not cfg.model:
         raise SystemExit("--model DIR is required (a Hugging Face checkpoint directory)")

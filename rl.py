@@ -81,7 +81,9 @@ Commands
   (GRPO-SCR).  Every field of Config is an option: --name=value or --name value; after
   torchrun, `rl.py -- --name=value` keeps torchrun from reading abbreviations of its own.
   With --model toy (the default) the TOY values below replace the recipe's defaults, and the
-  start is sft.py's toy checkpoint (trained first when <out_dir>/../sft/final is missing).
+  start is sft.py's toy checkpoint: <out_dir>/../sft/final when `python sft.py` made one, else
+  the one shipped in data/toy_sft (made by that same command), else (or with --toy_sft=train)
+  sft.py's toy run first, ~13 more minutes.
 """
 
 import ast
@@ -110,6 +112,7 @@ import torch.distributed as dist
 class Config:
     # what, where
     model: str = "toy"            # HF checkpoint dir or hub id; "toy" = the CPU demo (TOY below)
+    toy_sft: str = "shipped"      # toy start: "shipped" (data/toy_sft) or "train" (sft.py now)
     data: str = "data/rl.jsonl"   # training problems, project jsonl
     eval_data: str = ""           # held-out problems, project jsonl ("" = no evaluation)
     out_dir: str = "runs/rl"
@@ -795,15 +798,30 @@ def resolve_model(path):
     return snapshot_download(path)
 
 
-def prepare_toy(cfg):
-    """The toy demo's start (issue 8): sft.py's toy run (a tiny model from scratch taught the
-    tool-call format on data/toy.py's trajectories; it also writes the toy problems the TOY
-    preset points at), reused when its checkpoint is already there."""
+SHIPPED_TOY_SFT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "toy_sft")
+
+
+def prepare_toy(cfg, rank):
+    """The toy demo's start (issue 8). In order of preference: a cached `python sft.py` run
+    (<out_dir>/../sft/final), the shipped SFT checkpoint (data/toy_sft, made by `python sft.py`
+    once; --toy_sft=train skips it), or sft.py's toy run now (a tiny model from scratch taught
+    the tool-call format on data/toy.py's trajectories, ~13 minutes on 2 cores). The toy problems
+    the TOY preset points at are written when missing."""
     import sft
+    from data import toy
     sft_dir = os.path.join(os.path.dirname(os.path.normpath(cfg.out_dir)), "sft")
     start = os.path.join(sft_dir, "final")
     if not os.path.exists(os.path.join(start, "config.json")):
-        start = sft.train(sft.toy_config(out_dir=sft_dir, seed=cfg.seed, progress=False))
+        if cfg.toy_sft == "shipped" and os.path.exists(os.path.join(SHIPPED_TOY_SFT, "config.json")):
+            start = SHIPPED_TOY_SFT
+        elif cfg.toy_sft in ("shipped", "train"):
+            start = sft.train(sft.toy_config(out_dir=sft_dir, seed=cfg.seed, progress=False))
+        else:
+            raise SystemExit(f"--toy_sft {cfg.toy_sft!r}: expected shipped or train")
+    if rank == 0 and not (os.path.exists(cfg.data) and os.path.exists(cfg.eval_data)):
+        toy.build(os.path.dirname(cfg.data), sft=False)
+    if distributed():
+        dist.barrier()
     return replace(cfg, model=start)
 
 
@@ -852,7 +870,7 @@ def train(cfg):
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     if cfg.model == "toy":
-        cfg = prepare_toy(cfg)
+        cfg = prepare_toy(cfg, rank)
     problems = load_problems(cfg.data)
     eval_problems = load_problems(cfg.eval_data) if cfg.eval_data else []
     if cfg.eval_limit:
@@ -959,6 +977,13 @@ def train(cfg):
             print_step(record, samples, cfg)
 
     summary = write_summary(cfg, evals, steps, rank)
+    if rank == 0:
+        print(learning_curve(cfg.out_dir), flush=True)
+        if "before" in summary and "after" in summary:
+            b, a = summary["before"], summary["after"]
+            show = lambda k: " -> ".join("n/a" if x[k] is None else f"{x[k]:.3f}" for x in (b, a))
+            print(f"held-out accuracy {show('accuracy')}, tool calls per response "
+                  f"{show('tool_calls_per_response')} ({cfg.out_dir}/summary.json)", flush=True)
     return summary
 
 
@@ -1065,6 +1090,31 @@ def print_step(rec, samples, cfg):
           f"step {t['step']:.1f}s", flush=True)
     for s in samples[:cfg.log_samples]:
         print(f"  sample (reward {s['reward']:+.2f}): {s['text'][:300]!r}", flush=True)
+
+
+def learning_curve(out_dir):
+    """Reward, training accuracy and tool calls per trajectory by step, from metrics.jsonl:
+    out_dir/learning_curve.png when matplotlib is installed (optional), and always as a table."""
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        rows = [r for r in map(json.loads, f) if "step" in r]
+    keys = ("reward", "accuracy", "tool_calls_per_traj")
+    table = ["step  " + "  ".join(f"{k:>19}" for k in keys)]
+    table += [f"{r['step']:>4}  " + "  ".join(f"{r[k]:>19.3f}" for k in keys) for r in rows]
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "\n".join(table)
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.2))
+    for ax, k in zip(axes, keys):
+        ax.plot([r["step"] for r in rows], [r[k] for r in rows])
+        ax.set_xlabel("step")
+        ax.set_title(k)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "learning_curve.png"), dpi=100)
+    plt.close(fig)
+    return "\n".join(table)
 
 
 def write_summary(cfg, evals, steps, rank):

@@ -3,8 +3,8 @@
 `build_tiny_checkpoint(dir)` writes config.json + model.safetensors (random tiny Qwen3 weights)
 and a tokenizer that `transformers.AutoTokenizer` loads: byte-level BPE trained here on a small
 built-in corpus, Qwen's special tokens (`<|endoftext|>`, `<|im_start|>`, `<|im_end|>`), the
-tool-call markers as single added tokens (as in Qwen's vocabulary), digits in groups of up to
-three (as GPT-4's tokenizer; Qwen splits them one by one), and a chat template that renders the Qwen3 tool-use layout:
+tool-call markers as single added tokens (as in Qwen's vocabulary), digits one by one (as Qwen's
+tokenizer), and a chat template that renders the Qwen3 tool-use layout:
 tool system block, `<tool_call>` JSON on assistant turns, tool replies as `<tool_response>`
 inside a user turn, and the generation prompt. Real Qwen checkpoints go through the same code
 paths; nothing here is special-cased downstream.
@@ -68,10 +68,9 @@ CHAT_TEMPLATE = r"""
 {%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}
 """.strip()
 
-# Qwen2's pre-tokenizer split (contractions, words, punctuation runs, newlines, spaces), except that
-# digits go in groups of up to three, as in GPT-4's cl100k: a 3-digit number is one token, so the toy
-# model can copy numbers between prompt, code and tool output without first learning digit-wise copying.
-SPLIT_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+# Qwen2's pre-tokenizer split (contractions, words, punctuation runs, newlines, spaces), digits one
+# by one as in Qwen: ten digit tokens, each seen often, which the toy model learns to copy quickly.
+SPLIT_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                  r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 
@@ -92,8 +91,7 @@ def _corpus():
              "What is 12 * 34? What is (56 * 78) % 9? What is the sum of the digits of 12**5? "
              "Use the code tool, then give the final answer in \\boxed{}. The answer is \\boxed{7}. "
              "NameError: name 'pritn' is not defined SyntaxError: invalid syntax. Perhaps you forgot a comma? ")
-    numbers = " ".join(f"{i:0{w}d}" for w in (2, 3) for i in range(10 ** w))  # every digit group is one token
-    return [layout, tool_json, python, prose] * 20 + [numbers] * 4
+    return [layout, tool_json, python, prose] * 20
 
 
 def build_tokenizer(path, vocab_size=VOCAB_SIZE):

@@ -1,15 +1,21 @@
 """data/toy.py: the toy tool-use task behind the CPU demo (`python rl.py` with no arguments).
 
 The task is arithmetic that a model of a million parameters cannot do in its head: products of
-multi-digit numbers, remainders of products, digit sums of powers. The only reliable way to the
+two 3-digit numbers, of three 2-digit numbers, sums of two squares. The only reliable way to the
 answer is the paper's loop: write Python in a `<tool_call>`, read the `<tool_response>`, box the
 number. The SFT trajectories are a mixture, on purpose, so that the SFT policy is one RL can
 sharpen:
 
-- `tool`: one call with correct code, then the boxed tool output;
-- `guess`: no call, a boxed estimate (right leading digits, wrong tail): always wrong;
-- `retry`: a first call with a bug (a typo'd name, a syntax slip), the real error text, a
+- `tool` (35%): one call with correct code, then the boxed tool output;
+- `guess` (45%): no call: the expression restated, then a boxed estimate (right leading
+  digits, wrong tail): always wrong;
+- `retry` (20%): a first call with a bug (a typo'd name, a syntax slip), the real error text, a
   corrected call, then the boxed output.
+
+Guessing is the most common single style, so the SFT policy opens with a guess about as often as
+with a tool call, even under the paper's evaluation top-p of 0.6 (which keeps only the likeliest
+tokens up to 60% of the mass and would hide a minority style). Whether to call the tool is then
+a choice the SFT data leaves open and RL has to learn from reward alone.
 
 Every tool reply in the SFT data is what the sandbox really printed for that code, formatted as
 the rollout formats it. Held-out problems are fixed by a hash of the problem itself, so no train
@@ -20,33 +26,46 @@ problem (RL or SFT) can ever equal a held-out one, whatever seeds or sizes are u
 
 import argparse
 import hashlib
+import math
 import json
 import os
 import random
 
-KINDS = ("mul", "mod", "digitsum")
-
-
-def _number(rng, digits):
-    return rng.randint(10 ** (digits - 1), 10 ** digits - 1)
+KINDS = ("mul", "triple", "squares")
 
 
 def make_problem(rng, kind, digits=3):
-    """One problem in the project's RL/eval format, plus the code that solves it (`code`)."""
-    if kind == "mul":
-        a, b = _number(rng, digits), _number(rng, digits)
-        question, code, answer = f"What is {a} * {b}?", f"print({a} * {b})", a * b
-    elif kind == "mod":
-        a, b, m = _number(rng, digits), _number(rng, digits), rng.randint(7, 99)
-        question, code, answer = f"What is ({a} * {b}) % {m}?", f"print(({a} * {b}) % {m})", a * b % m
-    elif kind == "digitsum":
-        a, k = _number(rng, digits), rng.randint(5, 12)
-        question = f"What is the sum of the digits of {a}**{k}?"
-        code, answer = f"print(sum(int(d) for d in str({a}**{k})))", sum(int(d) for d in str(a ** k))
+    """One problem in the project's RL/eval format, plus the code that solves it (`code`).
+
+    Every number of a kind has a fixed width (operands `digits` digits; the answer 2 * digits
+    digits for mul, 3 * (digits - 1) for triple, 2 * digits + 1 for squares), so each copy the task
+    needs (operands from the prompt into the code, the tool's output into the box) spans the
+    same number of tokens in every problem of a kind. A model trained from scratch for minutes
+    learns such fixed-distance copies; copying across varying distances (induction) takes a
+    from-scratch model far longer than the CPU budget, and a pretrained base model has it."""
+    if digits < 2:
+        raise ValueError(f"digits must be at least 2, not {digits}")
+    top = 10 ** digits - 1
+    if kind == "mul":             # a * b with 2 * digits digits: a, b >= sqrt(10 ** (2 * digits - 1))
+        lo = math.isqrt(10 ** (2 * digits - 1) - 1) + 1
+        a, b = rng.randint(lo, top), rng.randint(lo, top)
+        question, expr = f"What is {a} * {b}?", f"{a} * {b}"
+    elif kind == "triple":        # a * b * c of (digits - 1)-digit operands: 3 * (digits - 1) digits
+        width = 3 * (digits - 1)
+        lo = math.ceil(10 ** ((width - 1) / 3))
+        while lo ** 3 < 10 ** (width - 1):       # float rounding of the cube root
+            lo += 1
+        a, b, c = (rng.randint(lo, 10 ** (digits - 1) - 1) for _ in range(3))
+        question, expr = f"What is {a} * {b} * {c}?", f"{a} * {b} * {c}"
+    elif kind == "squares":       # a ** 2 + b ** 2 with 2 * digits + 1 digits
+        lo = math.isqrt(10 ** (2 * digits) // 2 - 1) + 1
+        a, b = rng.randint(lo, top), rng.randint(lo, top)
+        question, expr = f"What is {a}**2 + {b}**2?", f"{a}**2 + {b}**2"
     else:
         raise ValueError(f"unknown toy kind {kind!r} (expected one of {KINDS})")
-    prompt = f"{question} Use the code tool, then give the final answer in \\boxed{{}}."
-    return {"prompt": prompt, "answer": answer, "kind": "math", "source": f"toy-{kind}", "code": code}
+    prompt = f"Use the code tool, then give the final answer in \\boxed{{}}. {question}"
+    return {"prompt": prompt, "answer": eval(expr), "kind": "math", "source": f"toy-{kind}",
+            "code": f"print({expr})"}
 
 
 def is_heldout(problem, heldout_share=0.2):
@@ -95,7 +114,7 @@ def _call(code):
     return {"type": "function", "function": {"name": "code_interpreter", "arguments": {"code": code}}}
 
 
-def make_sft_records(problems, seed=0, mix=(0.5, 0.3, 0.2), tool_output_chars=256):
+def make_sft_records(problems, seed=0, mix=(0.35, 0.45, 0.2), tool_output_chars=256):
     """{"messages", "tools"} trajectories; `mix` = shares of tool / guess / retry trajectories."""
     import sandbox
     rng = random.Random(f"sft-{seed}")
@@ -113,8 +132,11 @@ def make_sft_records(problems, seed=0, mix=(0.5, 0.3, 0.2), tool_output_chars=25
             reply = sandbox.format_tool_output(next(results), max_chars=tool_output_chars)
             messages += [{"role": "assistant", "content": "", "tool_calls": [_call(code)]},
                          {"role": "tool", "content": reply}]
-        final = reply.strip() if style != "guess" else str(_guess(rng, p["answer"]))
-        messages.append({"role": "assistant", "content": f"The answer is \\boxed{{{final}}}."})
+        if style == "guess":      # restates the expression (a copy, as in the tool call), then guesses
+            text = f"{p['code'][len('print('):-1]} is about \\boxed{{{_guess(rng, p['answer'])}}}."
+        else:
+            text = f"The answer is \\boxed{{{reply.strip()}}}."
+        messages.append({"role": "assistant", "content": text})
         records.append({"messages": messages, "tools": [sandbox.TOOL_SCHEMA], "style": style})
     return records
 
@@ -126,23 +148,28 @@ def write_jsonl(path, rows):
             f.write(json.dumps(r) + "\n")
 
 
-def build(out, n_sft=2000, n_train=2000, n_heldout=200, seed=0, digits=3, mix=(0.5, 0.3, 0.2)):
-    """Write sft.jsonl, train.jsonl and heldout.jsonl into `out`; returns the three paths."""
+def build(out, n_sft=6000, n_train=2000, n_heldout=200, seed=0, digits=3, mix=(0.35, 0.45, 0.2), sft=True):
+    """Write sft.jsonl (when `sft`; it runs every trajectory's code in the sandbox), train.jsonl and
+    heldout.jsonl into `out`; returns the paths written. The RL problems are the same whether or
+    not the SFT file is written: they follow the n_sft SFT problems in one draw, so never repeat them."""
     train = make_problems(n_sft + n_train, "train", seed, digits=digits)
     sft_problems, rl_problems = train[:n_sft], train[n_sft:]
     heldout = make_problems(n_heldout, "heldout", seed=0, digits=digits)  # fixed across seeds
     strip = lambda rows: [{k: v for k, v in r.items() if k != "code"} for r in rows]  # no solutions leak
-    paths = [os.path.join(out, name) for name in ("sft.jsonl", "train.jsonl", "heldout.jsonl")]
-    write_jsonl(paths[0], make_sft_records(sft_problems, seed, mix))
-    write_jsonl(paths[1], strip(rl_problems))
-    write_jsonl(paths[2], strip(heldout))
+    paths = []
+    if sft:
+        paths.append(os.path.join(out, "sft.jsonl"))
+        write_jsonl(paths[-1], make_sft_records(sft_problems, seed, mix))
+    for name, rows in (("train.jsonl", rl_problems), ("heldout.jsonl", heldout)):
+        paths.append(os.path.join(out, name))
+        write_jsonl(paths[-1], strip(rows))
     return paths
 
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="data/toy")
-    ap.add_argument("--n-sft", type=int, default=2000)
+    ap.add_argument("--n-sft", type=int, default=6000)
     ap.add_argument("--n-train", type=int, default=2000)
     ap.add_argument("--n-heldout", type=int, default=200)
     ap.add_argument("--seed", type=int, default=0)

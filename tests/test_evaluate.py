@@ -265,12 +265,6 @@ def test_load_problems_limit_and_errors(tmp_path):
         evaluate.load_problems(evaluate.EvalConfig(data_dir=str(tmp_path)))
 
 
-def test_no_arguments_points_at_the_toy_hook(monkeypatch):
-    monkeypatch.setattr(evaluate, "DEFAULT_DATA", "")
-    with pytest.raises(SystemExit, match="toy task"):
-        evaluate.main([])
-
-
 # ------------------------------------------------------------------- harness with a stand-in rollout
 
 

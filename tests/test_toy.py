@@ -1,4 +1,7 @@
 """data/toy.py: disjoint splits, correct answers, SFT trajectories in the chat format with real tool output."""
+import json
+import os
+
 import pytest
 
 from data import toy
@@ -12,7 +15,19 @@ def test_splits_are_disjoint_and_answers_right():
     for p in train[:30] + held[:30]:
         assert eval(p["code"][len("print("):-1]) == p["answer"]  # the code is a print of one expression
     with pytest.raises(ValueError, match="distinct"):
-        toy.make_problems(10_000, "train", digits=1)
+        toy.make_problems(10_000, "train", digits=2)
+
+
+@pytest.mark.parametrize("digits", [2, 3, 4])
+def test_every_number_of_a_kind_has_a_fixed_width(digits):
+    # fixed widths keep every copy the task needs at a fixed token distance (see make_problem)
+    import random, re
+    rng = random.Random(digits)
+    for kind in toy.KINDS:
+        problems = [toy.make_problem(rng, kind, digits) for _ in range(500)]
+        shapes = {(tuple(len(n) for n in re.findall(r"\d+", p["prompt"].split("?")[0])), len(str(p["answer"])))
+                  for p in problems}
+        assert len(shapes) == 1, (kind, shapes)
 
 
 def test_sft_records_mix_styles_and_hold_real_tool_output():
@@ -28,3 +43,49 @@ def test_sft_records_mix_styles_and_hold_real_tool_output():
             assert tools[-1]["content"].strip() == str(p["answer"]) and score_math(final, p["answer"])
         if r["style"] == "retry":
             assert "Error" in tools[0]["content"]
+
+
+# ----------------------------------------------------------------------------- the pipeline, fast
+# The learning claim is measured by the full `python rl.py` (README, Results); here every stage
+# runs a few steps on tens of problems and leaves its files.
+
+@pytest.fixture
+def in_tmp(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)       # the toy presets write under ./runs/toy
+    return tmp_path
+
+
+def test_sft_toy_stage_writes_a_checkpoint(in_tmp):
+    import sft
+    toy.build("runs/toy/data", n_sft=24, n_train=8, n_heldout=8)   # small: sft.py reuses it
+    final = sft.train(sft.toy_config(max_steps=2, batch_size=4, eval_size=4, progress=False))
+    assert os.path.exists(os.path.join(final, "config.json")) and os.path.exists(os.path.join(final, "model.safetensors"))
+    rows = [json.loads(l) for l in open("runs/toy/sft/metrics.jsonl")]
+    assert any(r.get("step") == 2 and "loss" in r for r in rows)
+
+
+def test_rl_toy_pipeline_from_the_shipped_start(in_tmp, capsys):
+    import evaluate
+    import rl
+    summary = rl.train(rl.parse_args(["--steps=1", "--prompts_per_step=2", "--samples_per_prompt=2",
+                                      "--mini_batch_prompts=2", "--eval_limit=6", "--save_every=1"]))
+    out = "runs/toy/rl"
+    for name in ("metrics.jsonl", "summary.json", "checkpoints/latest"):
+        assert os.path.exists(os.path.join(out, name)), name
+    assert summary["config"]["model"] == rl.SHIPPED_TOY_SFT
+    before, after = summary["before"], summary["after"]
+    assert 0.0 <= before["accuracy"] <= 1.0 and 0.0 <= after["accuracy"] <= 1.0
+    # the SFT start already speaks the protocol: it calls the tool, and the calls run
+    assert before["tool_calls_per_response"] >= 0.5 and before["tool_call_success"] >= 0.5, before
+    assert "held-out accuracy" in capsys.readouterr().out
+    # `python evaluate.py` alone evaluates the newest toy policy: now the RL checkpoint
+    args = evaluate.toy_arguments()
+    assert f"--model={os.path.join(rl.latest_checkpoint(rl.parse_args([])), 'model')}" in args
+    assert "--data=runs/toy/data/heldout.jsonl" in args
+
+
+def test_evaluate_without_arguments_starts_from_the_shipped_policy(in_tmp):
+    import evaluate
+    import rl
+    args = evaluate.toy_arguments()
+    assert f"--model={rl.SHIPPED_TOY_SFT}" in args and os.path.exists("runs/toy/data/heldout.jsonl")
