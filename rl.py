@@ -1107,10 +1107,11 @@ def learning_curve(out_dir):
     except ImportError:
         return "\n".join(table)
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.2))
-    for ax, k in zip(axes, keys):
+    titles = ("mean reward", "accuracy of the step's samples", "tool calls per trajectory")
+    for ax, k, title in zip(axes, keys, titles):
         ax.plot([r["step"] for r in rows], [r[k] for r in rows])
         ax.set_xlabel("step")
-        ax.set_title(k)
+        ax.set_title(title)
     fig.tight_layout()
     fig.savefig(os.path.join(out_dir, "learning_curve.png"), dpi=100)
     plt.close(fig)
