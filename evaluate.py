@@ -94,13 +94,9 @@ def toy_arguments():
     checkpoint, else the SFT start rl.py would use (a `python sft.py` run, else the shipped one)."""
     import rl
     cfg = rl.parse_args([])
-    if not os.path.exists(cfg.eval_data):
-        from data import toy
-        toy.build(os.path.dirname(cfg.eval_data), sft=False)
+    rl.write_toy_problems(cfg)
     last = rl.latest_checkpoint(cfg)
-    sft_final = os.path.join(os.path.dirname(os.path.normpath(cfg.out_dir)), "sft", "final")
-    model = next((p for p in (last and os.path.join(last, "model"), sft_final, rl.SHIPPED_TOY_SFT)
-                  if p and os.path.exists(os.path.join(p, "config.json"))), None)
+    model = os.path.join(last, "model") if last else rl.toy_sft_start(cfg)
     if model is None:
         raise SystemExit("no toy checkpoint yet: run `python sft.py` or `python rl.py` first")
     print(f"evaluate.py: the toy task, {model} on {cfg.eval_data}")
@@ -108,6 +104,7 @@ def toy_arguments():
             f"--temperature={cfg.eval_temperature}", f"--top_p={cfg.eval_top_p}",
             f"--max_prompt_tokens={cfg.max_prompt_tokens}", f"--max_response_tokens={cfg.max_response_tokens}",
             f"--max_turns={cfg.max_turns}", f"--out={os.path.join(os.path.dirname(cfg.out_dir), 'eval')}"]
+
 
 BENCHMARK_TITLES = {  # Table 2 of the paper: (group, column title)
     "aime24": ("MATH", "AIME2024"),

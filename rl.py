@@ -83,7 +83,7 @@ Commands
   With --model toy (the default) the TOY values below replace the recipe's defaults, and the
   start is sft.py's toy checkpoint: <out_dir>/../sft/final when `python sft.py` made one, else
   the one shipped in data/toy_sft (made by that same command), else (or with --toy_sft=train)
-  sft.py's toy run first, ~13 more minutes.
+  sft.py's toy run first, ~10 more minutes.
 """
 
 import ast
@@ -801,25 +801,34 @@ def resolve_model(path):
 SHIPPED_TOY_SFT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "toy_sft")
 
 
-def prepare_toy(cfg, rank):
-    """The toy demo's start (issue 8). In order of preference: a cached `python sft.py` run
-    (<out_dir>/../sft/final), the shipped SFT checkpoint (data/toy_sft, made by `python sft.py`
-    once; --toy_sft=train skips it), or sft.py's toy run now (a tiny model from scratch taught
-    the tool-call format on data/toy.py's trajectories, ~13 minutes on 2 cores). The toy problems
-    the TOY preset points at are written when missing."""
-    import sft
+def toy_sft_start(cfg):
+    """The toy SFT start that exists now, or None: a cached `python sft.py` run
+    (<out_dir>/../sft/final), else the shipped one (data/toy_sft) unless --toy_sft=train."""
+    cached = os.path.join(os.path.dirname(os.path.normpath(cfg.out_dir)), "sft", "final")
+    candidates = [cached] + ([SHIPPED_TOY_SFT] if cfg.toy_sft == "shipped" else [])
+    return next((p for p in candidates if os.path.exists(os.path.join(p, "config.json"))), None)
+
+
+def write_toy_problems(cfg):
+    """The toy RL and held-out problems the TOY preset points at, written when missing."""
     from data import toy
-    sft_dir = os.path.join(os.path.dirname(os.path.normpath(cfg.out_dir)), "sft")
-    start = os.path.join(sft_dir, "final")
-    if not os.path.exists(os.path.join(start, "config.json")):
-        if cfg.toy_sft == "shipped" and os.path.exists(os.path.join(SHIPPED_TOY_SFT, "config.json")):
-            start = SHIPPED_TOY_SFT
-        elif cfg.toy_sft in ("shipped", "train"):
-            start = sft.train(sft.toy_config(out_dir=sft_dir, seed=cfg.seed, progress=False))
-        else:
-            raise SystemExit(f"--toy_sft {cfg.toy_sft!r}: expected shipped or train")
-    if rank == 0 and not (os.path.exists(cfg.data) and os.path.exists(cfg.eval_data)):
+    if not (os.path.exists(cfg.data) and os.path.exists(cfg.eval_data)):
         toy.build(os.path.dirname(cfg.data), sft=False)
+
+
+def prepare_toy(cfg, rank):
+    """The toy demo's start (issue 8): `toy_sft_start`, else sft.py's toy run now (a tiny model
+    from scratch taught the tool-call format on data/toy.py's trajectories, ~10 minutes on 2
+    cores). The toy problems are written when missing."""
+    import sft
+    if cfg.toy_sft not in ("shipped", "train"):
+        raise SystemExit(f"--toy_sft {cfg.toy_sft!r}: expected shipped or train")
+    start = toy_sft_start(cfg)
+    if start is None:
+        sft_dir = os.path.join(os.path.dirname(os.path.normpath(cfg.out_dir)), "sft")
+        start = sft.train(sft.toy_config(out_dir=sft_dir, seed=cfg.seed, progress=False))
+    if rank == 0:
+        write_toy_problems(cfg)
     if distributed():
         dist.barrier()
     return replace(cfg, model=start)
