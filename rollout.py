@@ -272,7 +272,12 @@ class PagedKVCache:
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.num_hidden_layers)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.num_hidden_layers)]
         self.block_size, self.device, self.use_flash = block_size, device, use_flash
-        self.workspace = None  # gathered k, v of one layer (CPU/SDPA path), reused by every layer and step
+        self.scratch = None  # gathered k, v of one layer (prefill after a cached prefix), reused
+        # CPU/SDPA decode: the running sequences' K/V, copied out of the pool once and then extended
+        # by one token per step, contiguous per row so attention reads them without a gather
+        self.rows, self.row_cached = [], []          # sequences in row order; positions each row holds
+        self.rows_k, self.rows_v, self.row_capacity = [], [], 0
+        self.rows_stale = []                         # per layer: rows must be refilled from the pool
 
     def _tensor(self, values, dtype):
         t = torch.tensor(values, dtype=dtype)
@@ -307,25 +312,79 @@ class PagedKVCache:
             self.cu_q_t = self._tensor(cu_q, torch.int32)
             self.cu_k_t = self._tensor([0] + torch.tensor(k_lens).cumsum(0).tolist(), torch.int32)
         if decode and not self.use_flash:
-            self.decode_groups = self._decode_groups(batch)
+            self._layout_rows(batch)
         shape = (len(batch), 1) if decode else (1, len(ids))
         return self._tensor(ids, torch.long).view(shape), self._tensor(positions, torch.long).view(shape)
 
-    def _decode_groups(self, batch):
-        """Rows (the batch comes sorted longest first) split into runs whose longest block table is
-        under twice their shortest, each with its padded block list and key mask: padding to the
-        longest sequence of the whole batch would cost a ragged batch most of its attention time."""
-        groups, start = [], 0
-        n_blocks = [len(s.block_table) for s in batch]
+    # -- CPU decode rows ------------------------------------------------------
+
+    def decode_order(self, batch):
+        """The decode batch in the order of the row buffers. While the same sequences keep decoding,
+        each step adds one token per row (a 2-token write per layer instead of a gather of every
+        block); when the set changes, or a row outgrows the buffers, the rows are laid out again,
+        longest first, and refilled from the pool once. flash-attn reads the pool: any order does."""
+        if self.use_flash:
+            return batch
+        same = (len(batch) == len(self.rows) and {id(s) for s in batch} == {id(s) for s in self.rows}
+                and all(s.num_cached == n for s, n in zip(self.rows, self.row_cached))
+                and max(map(len, batch)) <= self.row_capacity)
+        if same:
+            return self.rows
+        rows = sorted(batch, key=len, reverse=True)  # similar lengths side by side (see _layout_rows)
+        capacity = -(-(len(rows[0]) + 128) // 128) * 128  # headroom: rebuilt every 128 steps at most
+        self._alloc_rows(len(rows), capacity)
+        self.rows = rows
+        self.rows_stale = [True] * len(self.k)
+        return rows
+
+    def _alloc_rows(self, num_rows, capacity):
+        have = self.rows_k[0].shape[:3:2] if self.rows_k else (0, 0)
+        if num_rows <= have[0] and capacity <= have[1]:
+            self.row_capacity = have[1]
+            return
+        num_rows, capacity = max(num_rows, have[0]), max(capacity, have[1])
+        _, _, hkv, d = self.k[0].shape
+        # zeros: padded key slots get weight 0, and 0 * NaN garbage would still be NaN
+        self.rows_k = [torch.zeros(num_rows, hkv, capacity, d, device=self.device, dtype=self.k[0].dtype) for _ in self.k]
+        self.rows_v = [torch.zeros_like(t) for t in self.rows_k]
+        self.row_capacity = capacity
+
+    def forget(self, seq):
+        """seq lost its blocks (finished, preempted): its row can no longer be extended."""
+        if any(s is seq for s in self.rows):
+            self.rows = []
+
+    def _layout_rows(self, batch):
+        """Index tensors of this step's writes, and the row groups attended together: runs of rows
+        (longest first) whose longest is under twice their shortest, each padded to its longest and
+        masked, so a ragged batch is not padded to its longest row."""
+        assert batch is self.rows or list(batch) == self.rows, "decode batch must come from decode_order"
+        lengths = [len(s) for s in batch]
+        self.row_cached = lengths
+        self.row_index = torch.arange(len(batch), device=self.device)
+        self.row_pos = self._tensor([n - 1 for n in lengths], torch.long)
+        self.decode_groups, start = [], 0
         for i in range(1, len(batch) + 1):
-            if i == len(batch) or 2 * n_blocks[i] <= n_blocks[start]:
-                width = n_blocks[start]
-                blocks = self.block_tables[start:i, :width].flatten().long()
-                lengths = self.context_lens[start:i, None].long()
-                mask = (torch.arange(width * self.block_size, device=self.device) < lengths)[:, None, None, :]
-                groups.append((start, i, blocks, mask))
+            if i == len(batch) or 2 * lengths[i] <= lengths[start]:
+                width = lengths[start]
+                bias = None
+                if lengths[i - 1] < width:  # -inf on each row's key slots past its length
+                    lens = self.context_lens[start:i, None].long()
+                    pad = torch.arange(width, device=self.device) >= lens
+                    bias = torch.zeros(pad.shape, dtype=torch.float32, device=self.device).masked_fill_(pad, float("-inf"))
+                    bias = bias[:, None, None, :]
+                self.decode_groups.append((start, i, width, bias))
                 start = i
-        return groups
+
+    def _fill_rows(self, layer):
+        """Copy every row's cached K/V (positions < num_cached) out of the pool, head-major."""
+        n_blocks = max(-(-s.num_cached // self.block_size) for s in self.rows)
+        blocks = self.block_tables[:, :n_blocks].flatten().long()
+        width = n_blocks * self.block_size
+        for pool, rows in ((self.k[layer], self.rows_k[layer]), (self.v[layer], self.rows_v[layer])):
+            gathered = torch.index_select(pool, 0, blocks).view(len(self.rows), width, *pool.shape[2:])
+            rows[:len(self.rows), :, :width].copy_(gathered.transpose(1, 2))
+        self.rows_stale[layer] = False
 
     def attend(self, layer, q, k, v):
         """Store this step's k/v in their slots, then attend over everything each sequence holds."""
@@ -337,29 +396,37 @@ class PagedKVCache:
         if self.use_flash:
             out = self._attend_flash(q, k_pool, v_pool)
         elif self.decode:
-            out = self._attend_decode(q, k_pool, v_pool)
+            out = self._attend_decode(layer, q, k, v)
         else:
             out = self._attend_prefill(q, k, v, k_pool, v_pool)
         return out.reshape(B, T, Hq, D)
 
     def _gather(self, k_pool, v_pool, blocks):
-        """k, v of the given blocks, copied into the workspace: [n, block_size, Hkv, D] each."""
+        """k, v of the given blocks, copied into the scratch buffer: [n, block_size, Hkv, D] each."""
         n = blocks.numel()
-        if self.workspace is None or self.workspace.shape[1] < n:
-            self.workspace = k_pool.new_empty((2, max(n, 64), *k_pool.shape[1:]))
-        k = torch.index_select(k_pool, 0, blocks, out=self.workspace[0, :n])  # much faster than pool[blocks]
-        v = torch.index_select(v_pool, 0, blocks, out=self.workspace[1, :n])
+        if self.scratch is None or self.scratch.shape[1] < n:
+            self.scratch = k_pool.new_empty((2, max(n, 64), *k_pool.shape[1:]))
+        k = torch.index_select(k_pool, 0, blocks, out=self.scratch[0, :n])  # much faster than pool[blocks]
+        v = torch.index_select(v_pool, 0, blocks, out=self.scratch[1, :n])
         return k, v
 
-    def _attend_decode(self, q, k_pool, v_pool):
-        # one query per sequence; within a group, keys padded to its longest block table and masked
+    def _attend_decode(self, layer, q, k, v):
+        # one query per row; the rows buffer gets this step's k/v at each row's last position
+        if self.rows_stale[layer]:
+            self._fill_rows(layer)
+        rows_k, rows_v = self.rows_k[layer], self.rows_v[layer]
+        rows_k[self.row_index, :, self.row_pos] = k.to(rows_k.dtype)          # k, v [B, Hkv, D]
+        rows_v[self.row_index, :, self.row_pos] = v.to(rows_v.dtype)
+        B, Hq, D = q.shape
+        hkv = rows_k.shape[1]
         outs = []
-        for start, end, blocks, mask in self.decode_groups:
-            k, v = self._gather(k_pool, v_pool, blocks)
-            k = k.view(end - start, -1, *k.shape[2:]).transpose(1, 2)   # [rows, Hkv, L, D]
-            v = v.view(end - start, -1, *v.shape[2:]).transpose(1, 2)
-            out = F.scaled_dot_product_attention(q[start:end, :, None], k, v, attn_mask=mask, enable_gqa=True)
-            outs.append(out[:, :, 0])
+        for start, end, width, bias in self.decode_groups:
+            qg = q[start:end].view(end - start, hkv, Hq // hkv, D)              # query head h reads kv head h // G
+            scores = torch.matmul(qg, rows_k[start:end, :, :width].transpose(-1, -2)) * D ** -0.5  # [n, Hkv, G, width]
+            if bias is not None:
+                scores = scores + bias
+            probs = scores.float().softmax(-1).to(q.dtype)
+            outs.append(torch.matmul(probs, rows_v[start:end, :, :width]).view(end - start, Hq, D))
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
     def _attend_prefill(self, q, k, v, k_pool, v_pool):
@@ -488,9 +555,13 @@ class Engine:
         return bool(self.waiting or self.running)
 
     def release(self, seq):
-        self.blocks.release(seq)
+        self._free(seq)
         if seq in self.held:
             self.held.remove(seq)
+
+    def _free(self, seq):
+        self.blocks.release(seq)
+        self.cache.forget(seq)
 
     def resume(self, seq, forced_ids):
         """Append forced tokens (mask 0) to a stopped sequence and queue it to continue sampling."""
@@ -507,13 +578,13 @@ class Engine:
         when their turn comes). False if no such sequence holds any."""
         for seq in [*reversed(self.held), *reversed(list(self.waiting)[1:])]:
             if seq.block_table:
-                self.blocks.release(seq)
+                self._free(seq)
                 self.stats["preemptions"] += 1
                 return True
         return False
 
     def _preempt(self, seq):
-        self.blocks.release(seq)
+        self._free(seq)
         self.waiting.appendleft(seq)
         self.stats["preemptions"] += 1
 
@@ -567,7 +638,7 @@ class Engine:
             batch = self._schedule_decode()
             if not batch:
                 return []
-            batch = sorted(batch, key=len, reverse=True)  # rows of similar length attend together
+            batch = self.cache.decode_order(batch)
         input_ids, positions = self.cache.begin(batch, decode)
         h = self.model.hidden(input_ids, positions=positions, kv_cache=self.cache)
         logits = self.model.lm_head(h.reshape(-1, h.shape[-1])[self.cache.last_index]).float()
