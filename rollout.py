@@ -262,9 +262,12 @@ class PagedKVCache:
     """The K/V block pools and the per-step layout of the batch; `attend` is model.py's seam.
 
     Pools are [num_blocks, block_size, kv_heads, head_dim] per layer (flash-attn's paged layout).
+    Without flash-attn, decode reads row buffers instead: see decode_order.
     `begin(batch, decode)` lays out one step: the tokens to compute (each sequence's uncached
     tail, packed), their positions and cache slots, and each sequence's block table and length.
     """
+
+    row_headroom = 128   # decode row buffers: free positions past the longest row when (re)built
 
     def __init__(self, config, num_blocks, block_size, device, dtype, use_flash):
         shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
@@ -331,7 +334,8 @@ class PagedKVCache:
         if same:
             return self.rows
         rows = sorted(batch, key=len, reverse=True)  # similar lengths side by side (see _layout_rows)
-        capacity = -(-(len(rows[0]) + 128) // 128) * 128  # headroom: rebuilt every 128 steps at most
+        step = self.row_headroom  # rebuilt every row_headroom steps at most (less as capacity doubles)
+        capacity = -(-(len(rows[0]) + step) // step) * step
         self._alloc_rows(len(rows), capacity)
         self.rows = rows
         self.rows_stale = [True] * len(self.k)
@@ -342,6 +346,8 @@ class PagedKVCache:
         if num_rows <= have[0] and capacity <= have[1]:
             self.row_capacity = have[1]
             return
+        if capacity > have[1]:  # geometric growth: a long decode reallocates and refills log(n) times
+            capacity = max(capacity, 2 * have[1])
         num_rows, capacity = max(num_rows, have[0]), max(capacity, have[1])
         _, _, hkv, d = self.k[0].shape
         # zeros: padded key slots get weight 0, and 0 * NaN garbage would still be NaN
@@ -380,10 +386,10 @@ class PagedKVCache:
         """Copy every row's cached K/V (positions < num_cached) out of the pool, head-major."""
         n_blocks = max(-(-s.num_cached // self.block_size) for s in self.rows)
         blocks = self.block_tables[:, :n_blocks].flatten().long()
-        width = n_blocks * self.block_size
+        width = min(n_blocks * self.block_size, self.row_capacity)  # the last block may overhang the buffer
         for pool, rows in ((self.k[layer], self.rows_k[layer]), (self.v[layer], self.rows_v[layer])):
-            gathered = torch.index_select(pool, 0, blocks).view(len(self.rows), width, *pool.shape[2:])
-            rows[:len(self.rows), :, :width].copy_(gathered.transpose(1, 2))
+            gathered = torch.index_select(pool, 0, blocks).view(len(self.rows), -1, *pool.shape[2:])
+            rows[:len(self.rows), :, :width].copy_(gathered[:, :width].transpose(1, 2))
         self.rows_stale[layer] = False
 
     def attend(self, layer, q, k, v):
@@ -1241,6 +1247,7 @@ def bench(device, quick=False, with_4b=False):
     hf = AutoModelForCausalLM.from_pretrained(path).to(device).eval()
     new = 32 if quick else 128
     bench_vs_transformers(model, hf, vocab, [64] * 32, new, "equal prompts")
+    bench_vs_transformers(model, hf, vocab, [64] * 32, 4 * new, "equal prompts, decode-heavy")
     bench_vs_transformers(model, hf, vocab, long_tail(32, 16, 512, 24, torch.Generator().manual_seed(3)), new,
                           "ragged prompts")
     del hf

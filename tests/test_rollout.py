@@ -86,6 +86,25 @@ def test_batched_single_preempted_and_slot_limited_agree(sharp):
     assert all(abs(x - y) < 1e-4 for c, d in zip(a, b) for x, y in zip(c.logprobs, d.logprobs))
 
 
+def test_decode_rows_regrow_and_refill(sharp, monkeypatch):
+    """CPU decode keeps the running rows' K/V in buffers between steps. Outgrowing them (a headroom of
+    2: reallocated several times), and refilling them from the pool whenever the batch changes
+    (2 slots, budgets that end at different steps), changes neither tokens nor log-probs, and both
+    agree with a forward pass that uses no cache at all."""
+    model, _ = sharp
+    prompts = ragged_prompts(model.config.vocab_size)
+    budgets = [48, 10, 30, 5, 48, 20]
+    want = complete(model, prompts, 48, temperature=1.0, seed=3)
+    monkeypatch.setattr(rollout.PagedKVCache, "row_headroom", 2)
+    got = complete(model, prompts, budgets, temperature=1.0, seed=3, max_num_seqs=2)
+    for p, b, w, g in zip(prompts, budgets, want, got):
+        assert g.token_ids == w.token_ids[:b]
+        assert torch.allclose(torch.tensor(g.logprobs), torch.tensor(w.logprobs[:b]), atol=1e-5, rtol=0)
+        full = torch.tensor([p + w.token_ids])
+        no_cache = model.token_logprobs(full[:, :-1], full[:, 1:])[0, len(p) - 1:]
+        assert torch.allclose(torch.tensor(w.logprobs), no_cache, atol=2e-5, rtol=0)
+
+
 def test_stop_tokens_and_per_prompt_budgets(sharp):
     model, _ = sharp
     prompts = ragged_prompts(model.config.vocab_size)[:3]
