@@ -269,7 +269,7 @@ class PagedKVCache:
 
     row_headroom = 128   # decode row buffers: free positions past the longest row when (re)built
 
-    def __init__(self, config, num_blocks, block_size, device, dtype, use_flash):
+    def __init__(self, config, num_blocks, block_size, device, dtype, use_flash, row_budget=0):
         shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
         # zeros, not empty: padded reads get weight 0, and 0 * NaN garbage would still be NaN
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.num_hidden_layers)]
@@ -281,6 +281,7 @@ class PagedKVCache:
         self.rows, self.row_cached = [], []          # sequences in row order; positions each row holds
         self.rows_k, self.rows_v, self.row_capacity = [], [], 0
         self.rows_stale = []                         # per layer: rows must be refilled from the pool
+        self.row_budget, self.use_rows = row_budget, False   # rows x capacity may not pass row_budget tokens
 
     def _tensor(self, values, dtype):
         t = torch.tensor(values, dtype=dtype)
@@ -315,7 +316,7 @@ class PagedKVCache:
             self.cu_q_t = self._tensor(cu_q, torch.int32)
             self.cu_k_t = self._tensor([0] + torch.tensor(k_lens).cumsum(0).tolist(), torch.int32)
         if decode and not self.use_flash:
-            self._layout_rows(batch)
+            self._layout_decode(batch)
         shape = (len(batch), 1) if decode else (1, len(ids))
         return self._tensor(ids, torch.long).view(shape), self._tensor(positions, torch.long).view(shape)
 
@@ -325,32 +326,36 @@ class PagedKVCache:
         """The decode batch in the order of the row buffers. While the same sequences keep decoding,
         each step adds one token per row (a 2-token write per layer instead of a gather of every
         block); when the set changes, or a row outgrows the buffers, the rows are laid out again,
-        longest first, and refilled from the pool once. flash-attn reads the pool: any order does."""
+        longest first, and refilled from the pool once. Rows are padded to the longest, so when
+        rows x capacity would pass row_budget tokens, decode gathers each group's blocks from the
+        pool instead, every step. flash-attn reads the pool: any order does."""
         if self.use_flash:
             return batch
-        same = (len(batch) == len(self.rows) and {id(s) for s in batch} == {id(s) for s in self.rows}
+        same = (self.use_rows and len(batch) == len(self.rows) and {id(s) for s in batch} == {id(s) for s in self.rows}
                 and all(s.num_cached == n for s, n in zip(self.rows, self.row_cached))
                 and max(map(len, batch)) <= self.row_capacity)
         if same:
             return self.rows
-        rows = sorted(batch, key=len, reverse=True)  # similar lengths side by side (see _layout_rows)
+        rows = sorted(batch, key=len, reverse=True)  # similar lengths side by side (see _layout_decode)
         step = self.row_headroom  # rebuilt every row_headroom steps at most (less as capacity doubles)
         capacity = -(-(len(rows[0]) + step) // step) * step
-        self._alloc_rows(len(rows), capacity)
-        self.rows = rows
-        self.rows_stale = [True] * len(self.k)
+        self.use_rows = len(rows) * capacity <= self.row_budget
+        self.rows = rows if self.use_rows else []
+        if self.use_rows:
+            self._alloc_rows(len(rows), capacity)
+            self.rows_stale = [True] * len(self.k)
         return rows
 
     def _alloc_rows(self, num_rows, capacity):
-        have = self.rows_k[0].shape[:3:2] if self.rows_k else (0, 0)
-        if num_rows <= have[0] and capacity <= have[1]:
-            self.row_capacity = have[1]
+        have_rows, have_capacity = (self.rows_k[0].shape[0], self.rows_k[0].shape[2]) if self.rows_k else (0, 0)
+        if num_rows <= have_rows and capacity <= have_capacity:
+            self.row_capacity = have_capacity
             return
-        if capacity > have[1]:  # geometric growth: a long decode reallocates and refills log(n) times
-            capacity = max(capacity, 2 * have[1])
-        num_rows, capacity = max(num_rows, have[0]), max(capacity, have[1])
+        if capacity > have_capacity:  # geometric growth: a long decode reallocates and refills log(n) times
+            capacity = max(capacity, min(2 * have_capacity, self.row_budget // num_rows))
         _, _, hkv, d = self.k[0].shape
-        # zeros: padded key slots get weight 0, and 0 * NaN garbage would still be NaN
+        self.rows_k = self.rows_v = None  # free the old buffers first
+        # zeros: a masked slot gets weight 0, and 0 * NaN garbage would still be NaN
         self.rows_k = [torch.zeros(num_rows, hkv, capacity, d, device=self.device, dtype=self.k[0].dtype) for _ in self.k]
         self.rows_v = [torch.zeros_like(t) for t in self.rows_k]
         self.row_capacity = capacity
@@ -360,25 +365,22 @@ class PagedKVCache:
         if any(s is seq for s in self.rows):
             self.rows = []
 
-    def _layout_rows(self, batch):
-        """Index tensors of this step's writes, and the row groups attended together: runs of rows
-        (longest first) whose longest is under twice their shortest, each padded to its longest and
-        masked, so a ragged batch is not padded to its longest row."""
-        assert batch is self.rows or list(batch) == self.rows, "decode batch must come from decode_order"
+    def _layout_decode(self, batch):
+        """The row groups attended together: runs of rows (longest first) whose longest is under twice
+        their shortest, each padded to its longest and masked, so a ragged batch is not padded to its
+        longest row; with row buffers, also where this step's k/v go."""
         lengths = [len(s) for s in batch]
-        self.row_cached = lengths
-        self.row_index = torch.arange(len(batch), device=self.device)
-        self.row_pos = self._tensor([n - 1 for n in lengths], torch.long)
+        if self.use_rows:
+            self.row_cached = lengths
+            self.row_index = torch.arange(len(batch), device=self.device)
+            self.row_pos = self._tensor([n - 1 for n in lengths], torch.long)
         self.decode_groups, start = [], 0
         for i in range(1, len(batch) + 1):
             if i == len(batch) or 2 * lengths[i] <= lengths[start]:
-                width = lengths[start]
-                bias = None
+                width, bias = lengths[start], None
                 if lengths[i - 1] < width:  # -inf on each row's key slots past its length
-                    lens = self.context_lens[start:i, None].long()
-                    pad = torch.arange(width, device=self.device) >= lens
-                    bias = torch.zeros(pad.shape, dtype=torch.float32, device=self.device).masked_fill_(pad, float("-inf"))
-                    bias = bias[:, None, None, :]
+                    pad = torch.arange(width, device=self.device) >= self.context_lens[start:i, None].long()
+                    bias = torch.zeros(pad.shape, device=self.device).masked_fill_(pad, float("-inf"))[:, None, None, :]
                 self.decode_groups.append((start, i, width, bias))
                 start = i
 
@@ -417,22 +419,30 @@ class PagedKVCache:
         return k, v
 
     def _attend_decode(self, layer, q, k, v):
-        # one query per row; the rows buffer gets this step's k/v at each row's last position
-        if self.rows_stale[layer]:
-            self._fill_rows(layer)
-        rows_k, rows_v = self.rows_k[layer], self.rows_v[layer]
-        rows_k[self.row_index, :, self.row_pos] = k.to(rows_k.dtype)          # k, v [B, Hkv, D]
-        rows_v[self.row_index, :, self.row_pos] = v.to(rows_v.dtype)
+        # one query per row, attended per group of similar lengths over [rows, Hkv, width, D] keys
+        if self.use_rows:
+            if self.rows_stale[layer]:
+                self._fill_rows(layer)
+            rows_k, rows_v = self.rows_k[layer], self.rows_v[layer]
+            rows_k[self.row_index, :, self.row_pos] = k.to(rows_k.dtype)      # k, v [B, Hkv, D]
+            rows_v[self.row_index, :, self.row_pos] = v.to(rows_v.dtype)
         B, Hq, D = q.shape
-        hkv = rows_k.shape[1]
+        hkv = k.shape[1]
         outs = []
         for start, end, width, bias in self.decode_groups:
-            qg = q[start:end].view(end - start, hkv, Hq // hkv, D)              # query head h reads kv head h // G
-            scores = torch.matmul(qg, rows_k[start:end, :, :width].transpose(-1, -2)) * D ** -0.5  # [n, Hkv, G, width]
+            n = end - start
+            if self.use_rows:
+                keys, values = rows_k[start:end, :, :width], rows_v[start:end, :, :width]
+            else:  # copy the group's blocks out of the pool (this step's k/v are already there)
+                blocks = self.block_tables[start:end, :-(-width // self.block_size)].flatten().long()
+                keys, values = self._gather(self.k[layer], self.v[layer], blocks)
+                keys, values = (t.view(n, -1, hkv, D)[:, :width].transpose(1, 2).contiguous() for t in (keys, values))
+            qg = q[start:end].view(n, hkv, Hq // hkv, D)                 # query head h reads kv head h // G
+            scores = torch.matmul(qg, keys.transpose(-1, -2)) * D ** -0.5  # [n, Hkv, G, width]
             if bias is not None:
                 scores = scores + bias
             probs = scores.softmax(-1, dtype=torch.float32).to(q.dtype)
-            outs.append(torch.matmul(probs, rows_v[start:end, :, :width]).view(end - start, Hq, D))
+            outs.append(torch.matmul(probs, values).view(n, Hq, D))
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
     def _attend_prefill(self, q, k, v, k_pool, v_pool):
@@ -534,12 +544,18 @@ class Engine:
             raise RuntimeError("attn_backend='flash' but flash_attn is not installed")
         block_size = block_size or (256 if self.use_flash else 16)
         if num_blocks is None:
-            num_blocks = self._blocks_from_budget(block_size, kv_memory_fraction, kv_cache_bytes)
+            # without flash-attn, decode row buffers (PagedKVCache.decode_order) may take as much
+            # memory again as the pool: the budget covers both
+            share = 1 if self.use_flash else 2
+            num_blocks = self._blocks_from_budget(block_size, kv_memory_fraction / share, kv_cache_bytes // share)
+            row_budget = num_blocks * block_size
             if max_seq_lens is not None:  # no point holding more than the workload could ever use
                 num_blocks = min(num_blocks, sum(-(-n // block_size) for n in max_seq_lens))
+        else:
+            row_budget = num_blocks * block_size
         self.num_blocks = num_blocks
         self.blocks = BlockManager(num_blocks, block_size, share_prefix)
-        self.cache = PagedKVCache(cfg, num_blocks, block_size, self.device, self.dtype, self.use_flash)
+        self.cache = PagedKVCache(cfg, num_blocks, block_size, self.device, self.dtype, self.use_flash, row_budget)
         self.max_num_seqs, self.max_prefill_tokens = max_num_seqs, max_prefill_tokens
         self.raw_logprobs = raw_logprobs
         self.waiting, self.running, self.held = deque(), deque(), []
