@@ -15,8 +15,12 @@ What it does
   * A step either prefills the new / resumed sequences as one packed variable-length batch or
     decodes one token for every running sequence. On CUDA with flash-attn installed, attention
     reads the paged cache directly (`flash_attn_varlen_func` / `flash_attn_with_kvcache` with a
-    block table); elsewhere a torch SDPA path gathers each sequence's blocks (decode rows sorted
-    by length and attended in groups, so a ragged batch is not padded to its longest row).
+    block table). Elsewhere prefill uses torch SDPA, and decode keeps the running sequences' K/V
+    in contiguous row buffers between steps: each step writes one token per row instead of
+    gathering every block again, and the buffers are refilled from the pool only when the batch
+    changes or outgrows them (or, past a memory budget, each group's blocks are gathered per
+    step). Rows are sorted by length and attended in groups, so a ragged batch is not padded to
+    its longest row.
   * Sampling: greedy at temperature 0; temperature, top-k, then top-p (the smallest set of most
     probable tokens whose mass reaches top_p, computed on the top-k distribution), by inverse-CDF
     from one uniform per token drawn from the sequence's own seeded `torch.Generator`, so a seeded
