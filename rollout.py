@@ -60,9 +60,9 @@ Usage
         # chat REPL with the code tool; any RolloutConfig field as --name=value; /reset, /quit
     python rollout.py --bench [--quick] [--threads=1]
         # random Qwen3 on CPU (or --device=cuda): tokens/s of generate vs transformers.generate at
-        # batch 32, equal and ragged prompt lengths (greedy tokens checked identical), continuous vs
-        # static batching on long-tailed lengths, tool latency overlapped vs blocking; wall and CPU
-        # time (on a shared machine prefer --threads=1 and the CPU-time figures). --bench4b adds
+        # batch 32, equal prompts (128 and 512 new tokens) and ragged prompts (greedy tokens checked
+        # identical), continuous vs static batching on long-tailed lengths, tool latency overlapped
+        # vs blocking; wall and CPU time (on a shared machine prefer --threads=1). --bench4b adds
         # decode tokens/s of a random Qwen3-4B-shaped model at batch 64 and 256 (meant for a GPU)
 No torchrun form: the sampler runs inside each rl.py / evaluate.py rank on its own GPU.
 """
