@@ -328,8 +328,9 @@ class PagedKVCache:
 
     def decode_order(self, batch):
         """The decode batch in the order of the row buffers. While the same sequences keep decoding,
-        each step writes one token's k/v per row and layer instead of gathering every block again; when the set changes, or a row outgrows the buffers, the rows are laid out again,
-        longest first, and refilled from the pool once. Rows are padded to the longest, so when
+        each step writes one token's k/v per row and layer instead of gathering every block again;
+        when the set changes, or a row outgrows the buffers, the rows are laid out again, longest
+        first, and refilled from the pool once. Rows are padded to the longest, so when
         rows x capacity would pass row_budget tokens, decode gathers each group's blocks from the
         pool instead, every step. flash-attn reads the pool: any order does."""
         if self.use_flash:
