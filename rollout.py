@@ -547,16 +547,15 @@ class Engine:
         if self.use_flash and flash_attn_with_kvcache is None:
             raise RuntimeError("attn_backend='flash' but flash_attn is not installed")
         block_size = block_size or (256 if self.use_flash else 16)
-        if num_blocks is None:
+        budgeted = num_blocks is None
+        if budgeted:
             # without flash-attn, decode row buffers (PagedKVCache.decode_order) may take as much
             # memory again as the pool: the budget covers both
             share = 1 if self.use_flash else 2
             num_blocks = self._blocks_from_budget(block_size, kv_memory_fraction / share, kv_cache_bytes // share)
-            row_budget = num_blocks * block_size
-            if max_seq_lens is not None:  # no point holding more than the workload could ever use
-                num_blocks = min(num_blocks, sum(-(-n // block_size) for n in max_seq_lens))
-        else:
-            row_budget = num_blocks * block_size
+        row_budget = num_blocks * block_size  # the row buffers' share, before the workload cap below
+        if budgeted and max_seq_lens is not None:  # no point holding more than the workload could ever use
+            num_blocks = min(num_blocks, sum(-(-n // block_size) for n in max_seq_lens))
         self.num_blocks = num_blocks
         self.blocks = BlockManager(num_blocks, block_size, share_prefix)
         self.cache = PagedKVCache(cfg, num_blocks, block_size, self.device, self.dtype, self.use_flash, row_budget)
