@@ -68,7 +68,7 @@ def test_graders_never_raise_and_are_fast(response):
     extract_program(response)
     assert score_code(response, {"fn_name": None, "cases": [{"input": "", "output": "1"}]}) == 0.0
     assert score({"kind": "math", "answer": "1"}, response) in (0.0, 1.0)
-    assert time.time() - t < 1.0
+    assert time.time() - t < 5.0   # milliseconds when linear; a quadratic scan of 300 KB takes minutes
 
 
 def test_score_never_raises_on_bad_problems():
