@@ -181,3 +181,41 @@ def test_from_pretrained_dtype_and_meta_free(tmp_path):
 def test_missing_checkpoint_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="config.json"):
         Transformer.from_pretrained(str(tmp_path))
+
+
+class CountingHostReads(torch.Tensor):
+    """A tensor that counts the reads that copy its values to the host (each a sync on CUDA)."""
+    reads = 0
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in (torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.__int__, torch.Tensor.__bool__):
+            cls.reads += 1
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "flash"])
+def test_packed_forward_reads_the_boundaries_once(backend, tmp_path, monkeypatch):
+    """One host read per packed forward, not one per layer; flash-attn gets the longest length as an int."""
+    import model as model_module
+    seen = []
+
+    def reference_flash(q, k, v, cu_q, cu_k, max_q, max_k, causal):  # the varlen kernel's contract, in SDPA
+        seen.append((type(max_q), max_q))
+        bounds = [int(x) for x in torch.Tensor.tolist(cu_q.as_subclass(torch.Tensor))]
+        return torch.cat([torch.nn.functional.scaled_dot_product_attention(
+            q[s:e].transpose(0, 1), k[s:e].transpose(0, 1), v[s:e].transpose(0, 1), is_causal=True,
+            enable_gqa=True).transpose(0, 1) for s, e in zip(bounds, bounds[1:])])
+
+    monkeypatch.setattr(model_module, "flash_attn_varlen_func", reference_flash)
+    hf_model("qwen3", True, tmp_path, num_hidden_layers=4)
+    model = Transformer.from_pretrained(str(tmp_path))
+    model.attn_backend = backend
+    lengths = [5, 12, 1, 9]
+    seqs = [torch.randint(0, 211, (1, n)) for n in lengths]
+    cu = cu_seqlens_from_lengths(lengths).as_subclass(CountingHostReads)
+    CountingHostReads.reads = 0
+    packed = model(torch.cat(seqs, dim=1), cu_seqlens=cu)
+    assert CountingHostReads.reads == 1
+    assert seen == ([(int, 12)] * 4 if backend == "flash" else [])
+    assert (packed - torch.cat([model(s) for s in seqs], dim=1)).abs().max() < 1e-5
