@@ -1,10 +1,11 @@
 """common.py: what every stage shares: one flag parser, distributed set-up, rank-0 printing,
-metrics files that survive a resume, atomic checkpoint directories, hub-id resolution."""
+metrics files that survive a resume, one checkpoint writer and reader, hub-id resolution."""
 
 import argparse
 import json
 import os
 import shutil
+import warnings
 from dataclasses import asdict, fields
 from datetime import timedelta
 
@@ -121,12 +122,126 @@ class Metrics:
                 f.write(json.dumps(record) + "\n")
 
 
-def replace_dir(tmp, final):
-    """Move a finished directory into place: a kill at any moment leaves the old or the new one."""
-    if os.path.exists(final):
-        os.rename(final, final + ".old")
-    os.rename(tmp, final)
-    shutil.rmtree(final + ".old", ignore_errors=True)
+def checkpoints(out_dir, resumable=False):
+    """[(step, path)] of the complete checkpoints in out_dir, oldest first."""
+    found = []
+    for name in os.listdir(out_dir) if os.path.isdir(out_dir) else []:
+        path = os.path.join(out_dir, name)
+        if name.startswith("step_") and name[5:].isdigit() and \
+                (not resumable or os.path.exists(os.path.join(path, "train_state", "trainer.pt"))):
+            found.append((int(name[5:]), path))
+    return sorted(found)
+
+
+def latest_resumable(out_dir):
+    """Rank 0's newest resumable checkpoint, the same on every rank (None when there is none).
+    Every rank then reads its shard from it: with --nnodes > 1, out_dir must be on a shared filesystem."""
+    found = [checkpoints(out_dir, resumable=True)[-1:] if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(found, src=0)
+    return found[0][0][1] if found[0] else None
+
+
+def build_model(path, device, sharded):
+    """One process: the checkpoint as is, in fp32. Under torchrun: FSDP2 with each block one unit
+    and the root (embeddings, final norm, tied head) another; bf16 compute with fp32 master weights
+    and gradient reduction on GPU. Rank 0 alone reads the weights and broadcasts them into the
+    sharded model, which is built on the meta device (no rank holds a full fp32 copy but rank 0)."""
+    from model import ModelConfig, Transformer
+    if not sharded:
+        return Transformer.from_pretrained(path, device=device, dtype=torch.float32)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+    with open(os.path.join(path, "config.json")) as f:
+        config = ModelConfig.from_dict(json.load(f))
+    with torch.device("meta"):
+        model = Transformer(config)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if device.type == "cuda" \
+        else MixedPrecisionPolicy()
+    for block in model.model.layers:
+        fully_shard(block, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    register_fsdp_forward_method(model, "token_logprobs")  # not forward(): gather the root's weights around it
+    # token_logprobs returns a view; FSDP warns about in-place use of it, and it is only used out of place
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+    model.to_empty(device=device)
+    full = Transformer.from_pretrained(path, dtype=torch.float32).state_dict() if dist.get_rank() == 0 else {}
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    model.tie_weights()
+    # FSDP sets itself up on the first forward through the root; the sampler calls model.hidden
+    # (no hooks), so one tiny forward (a collective) settles it, then the root gives back its weights
+    with torch.no_grad():
+        model(torch.zeros(1, 2, dtype=torch.long, device=device))
+    model.reshard()
+    return model
+
+
+def save_checkpoint(out_dir, step, model, optimizer, tokenizer, trainer, base_path=None, dtype=None, keep=1):
+    """out_dir/step_NNNNNN: a Hugging Face directory (full weights gathered on rank 0's CPU) plus
+    train_state/ (fp32 weights and optimizer sharded by torch.distributed.checkpoint, each rank's
+    RNG, the trainer dict). Written into .tmp_step_NNNNNN and renamed once complete, so a kill
+    leaves the previous checkpoint; out_dir/final then points at it. Only the newest `keep`
+    checkpoints keep their train_state. A collective: every rank calls it."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
+    rank = dist.get_rank()
+    name = f"step_{step:06d}"
+    final, tmp = os.path.join(out_dir, name), os.path.join(out_dir, ".tmp_" + name)
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(os.path.join(tmp, "train_state"))
+    dist.barrier()
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank == 0:
+        save_hf(full, model.config, tokenizer, tmp, dtype, base_path)
+    del full
+    weights, optim = get_state_dict(model, optimizer)
+    dcp.save({"model": weights, "optim": optim}, checkpoint_id=os.path.join(tmp, "train_state", "dcp"))
+    torch.save(rng_state(), os.path.join(tmp, "train_state", f"rng_rank{rank}.pt"))
+    dist.barrier()
+    if rank == 0:
+        torch.save(dict(trainer, step=step), os.path.join(tmp, "train_state", "trainer.pt"))  # last: marks it complete
+        if os.path.exists(final):  # re-saving a step: move the old one aside first (renames are atomic)
+            os.rename(final, final + ".old")
+        os.rename(tmp, final)
+        shutil.rmtree(final + ".old", ignore_errors=True)
+        for _, old in checkpoints(out_dir, resumable=True)[:-max(1, keep)]:
+            shutil.rmtree(os.path.join(old, "train_state"), ignore_errors=True)
+        link = os.path.join(out_dir, ".final.tmp")
+        if os.path.lexists(link):
+            os.remove(link)
+        os.symlink(name, link)
+        os.replace(link, os.path.join(out_dir, "final"))
+    dist.barrier()  # nobody reads or resumes before rank 0 has finished writing
+    return final
+
+
+def load_checkpoint(path, model, optimizer):
+    """Restore what save_checkpoint wrote into the live (possibly sharded) model and optimizer
+    and this rank's RNG; returns the trainer dict."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    weights, optim = get_state_dict(model, optimizer)
+    state = {"model": weights, "optim": optim}
+    dcp.load(state, checkpoint_id=os.path.join(path, "train_state", "dcp"))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    rng = os.path.join(path, "train_state", f"rng_rank{dist.get_rank()}.pt")
+    if os.path.exists(rng):  # absent when resuming on more ranks than were saved
+        set_rng_state(torch.load(rng, weights_only=False))
+    return torch.load(os.path.join(path, "train_state", "trainer.pt"), weights_only=False)
+
+
+def rng_state():
+    import random
+    return dict(python=random.getstate(), torch=torch.get_rng_state(),
+                cuda=torch.cuda.get_rng_state() if torch.cuda.is_available() else None)
+
+
+def set_rng_state(s):
+    import random
+    random.setstate(s["python"])
+    torch.set_rng_state(s["torch"])
+    if s.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(s["cuda"])
 
 
 def save_hf(state, config, tokenizer, path, dtype=None, base_path=None):

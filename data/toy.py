@@ -1,26 +1,18 @@
-"""data/toy.py: the toy tool-use task behind the CPU demo (`python rl.py` with no arguments).
+"""data/toy.py: the toy tool-use task behind the CPU demo, and every toy helper of the pipeline.
 
-The task is arithmetic that a model of a million parameters cannot do in its head: products of
-two 3-digit numbers, of three 2-digit numbers, sums of two squares. The only reliable way to the
-answer is the paper's loop: write Python in a `<tool_call>`, read the `<tool_response>`, box the
-number. The SFT trajectories are a mixture, on purpose, so that the SFT policy is one RL can
-sharpen:
+The task is arithmetic a million-parameter model cannot do in its head (products of two 3-digit
+numbers, of three 2-digit numbers, sums of two squares): the reliable way to the answer is the
+paper's loop: write Python in a <tool_call>, read the <tool_response>, box the number. The SFT
+trajectories mix styles on purpose, so the SFT policy is one RL can sharpen: `tool` (35%, one
+correct call), `guess` (45%, no call, the expression restated and a wrong boxed estimate) and
+`retry` (20%, a buggy call, the real error, a fixed call). Guessing is the commonest single
+style, so even under the paper's eval top-p of 0.6 the SFT start guesses about as often as it
+calls; whether to call the tool is left for RL to learn from reward alone. Every tool reply is
+what the sandbox really printed, formatted as the rollout formats it; held-out problems are
+fixed by a hash of the problem, so no train problem can equal a held-out one.
 
-- `tool` (35%): one call with correct code, then the boxed tool output;
-- `guess` (45%): no call: the expression restated, then a boxed estimate (right leading
-  digits, wrong tail): always wrong;
-- `retry` (20%): a first call with a bug (a typo'd name, a syntax slip), the real error text, a
-  corrected call, then the boxed output.
-
-Guessing is the most common single style, so the SFT policy opens with a guess about as often as
-with a tool call, even under the paper's evaluation top-p of 0.6 (which keeps only the likeliest
-tokens up to 60% of the mass and would hide a minority style). Whether to call the tool is then
-a choice the SFT data leaves open and RL has to learn from reward alone.
-
-Every tool reply in the SFT data is what the sandbox really printed for that code, formatted as
-the rollout formats it. Held-out problems are fixed by a hash of the problem itself, so no train
-problem (RL or SFT) can ever equal a held-out one, whatever seeds or sizes are used.
-
+Files: runs/toy/data/{sft,train,heldout}.jsonl (ensure()), the SFT start (sft_start(): a
+`python sft.py` run's runs/toy/sft/final, else the one shipped in data/toy_sft).
     python -m data.toy --out data/toy        # writes sft.jsonl, train.jsonl, heldout.jsonl
 """
 
@@ -32,6 +24,10 @@ import os
 import random
 
 KINDS = ("mul", "triple", "squares")
+ROOT = "runs/toy"                   # the toy presets of sft.py and rl.py write under ./runs/toy
+DATA = os.path.join(ROOT, "data")
+SFT_DATA, TRAIN, HELDOUT = (os.path.join(DATA, f) for f in ("sft.jsonl", "train.jsonl", "heldout.jsonl"))
+SHIPPED_SFT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "toy_sft")
 
 
 def make_problem(rng, kind, digits=3):
@@ -164,6 +160,22 @@ def build(out, n_sft=6000, n_train=2000, n_heldout=200, seed=0, digits=3, mix=(0
         paths.append(os.path.join(out, name))
         write_jsonl(paths[-1], strip(rows))
     return paths
+
+
+def ensure(sft=False, base_dir=None, seed=0):
+    """Write what the toy pipeline reads when it is missing: the RL and held-out problems, the SFT
+    trajectories (sft=True; they run every call in the sandbox) and the tiny base model (base_dir)."""
+    if not all(os.path.exists(p) for p in ([TRAIN, HELDOUT] + [SFT_DATA] * sft)):
+        build(DATA, seed=seed, sft=sft)
+    if base_dir and not os.path.exists(os.path.join(base_dir, "config.json")):
+        from data.tiny import build_tiny_checkpoint
+        build_tiny_checkpoint(base_dir, seed=seed)
+
+
+def sft_start():
+    """The toy SFT start: runs/toy/sft/final when `python sft.py` made one, else the shipped one."""
+    trained = os.path.join(ROOT, "sft", "final")
+    return trained if os.path.exists(os.path.join(trained, "config.json")) else SHIPPED_SFT
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import sft
+from common import checkpoints
 from model import Transformer, cu_seqlens_from_lengths
 from sandbox import TOOL_SCHEMA
 
@@ -129,6 +130,9 @@ def test_prefix_check_and_bad_records(tiny_tokenizer, tmp_path):
         def encode(self, text, **kw):
             return tiny_tokenizer.encode(text, **kw)
 
+        def decode(self, ids, **kw):
+            return tiny_tokenizer.decode(ids, **kw)
+
     msgs = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
             {"role": "user", "content": "c"}, {"role": "assistant", "content": "d"}]
     with pytest.raises(sft.DataError, match=r"rec:7: messages\[\d\]: the chat template renders"):
@@ -240,7 +244,7 @@ def one_thread():
 
 def test_kill_and_resume_matches_uninterrupted(tiny_ckpt, tmp_path, one_thread):
     data = write_fixture(tmp_path / "d.jsonl", 40, seed=4)
-    common = dict(epochs=2, batch_size=8, eval_size=4, eval_every=3)  # 10 steps over two epochs
+    common = dict(epochs=2, batch_size=8, eval_size=4, eval_every=3)  # 8 steps: 36 // 8 per epoch, as verl
     whole = config(tiny_ckpt, data, tmp_path / "whole", **common)
     parts = config(tiny_ckpt, data, tmp_path / "parts", save_every=1, **common)
     # one thread on both sides: CPU matmuls reduce in an order that depends on the thread count, and
@@ -254,8 +258,8 @@ def test_kill_and_resume_matches_uninterrupted(tiny_ckpt, tmp_path, one_thread):
     finally:
         proc.wait()
     sft.train(whole)
-    killed_at = sft.resumable(parts.out_dir)[-1][0]
-    assert killed_at < 10, "the run finished before it was killed"
+    killed_at = checkpoints(parts.out_dir, resumable=True)[-1][0]
+    assert killed_at < 8, "the run finished before it was killed"
     with pytest.raises(SystemExit, match="--resume"):  # never silently overwrites a run
         sft.train(parts)
     parts.resume = True
@@ -265,7 +269,14 @@ def test_kill_and_resume_matches_uninterrupted(tiny_ckpt, tmp_path, one_thread):
     a, b = train_losses(whole.out_dir), train_losses(parts.out_dir)
     assert a == b[-len(a):]
     # only the newest checkpoint keeps its resume state; a leftover .tmp dir never counts as one
-    assert [s for s, _ in sft.resumable(parts.out_dir)] == [10]
+    assert [s for s, _ in checkpoints(parts.out_dir, resumable=True)] == [8]
+    # metrics.jsonl holds every step once: the lines the killed run wrote past its checkpoint are gone
+    steps = [e["step"] for e in map(json.loads, open(os.path.join(parts.out_dir, "metrics.jsonl"))) if e["event"] == "train"]
+    assert steps == list(range(1, 9))
+    # resuming with a setting that changes the data order or the schedule is refused, naming it
+    changed = config(tiny_ckpt, data, tmp_path / "parts", save_every=1, resume=True, **dict(common, batch_size=4))
+    with pytest.raises(SystemExit, match="batch_size is 4 but the checkpoint was made with 8"):
+        sft.train(changed)
     assert not [n for n in os.listdir(parts.out_dir) if n.startswith(".tmp")]
 
 
@@ -279,12 +290,63 @@ def test_overfits_a_handful_of_trajectories(tiny_ckpt, tmp_path):
     assert losses[0] > 3 and last_epoch < 0.05, (losses[0], last_epoch)
 
 
-def test_cli_flags():
-    cfg = sft.parse_args(["--lr=0.5", "--resume", "--too_long=drop"])
-    assert cfg.lr == 0.5 and cfg.resume and cfg.too_long == "drop"
-    assert cfg.model == "tiny" and cfg.max_len == sft.TOY["max_len"]  # toy defaults for the tiny model
-    real = sft.parse_args(["--model=some/dir"])
-    assert (real.lr, real.warmup_ratio, real.epochs, real.batch_size, real.max_len, real.grad_clip) == \
-        (1e-5, 0.1, 5, 32, 32768, 1.0)
+def test_cli_flags(monkeypatch):
+    cfg = sft.parse_args(["--lr=0.5", "--resume", "--too_long", "drop", "--data", "rows.jsonl"])
+    assert cfg.lr == 0.5 and cfg.resume and cfg.too_long == "drop" and cfg.data == "rows.jsonl"
+    # one set of defaults, the recipe's, whatever the entry point; the toy is a named preset
+    assert sft.parse_args([]) == sft.Config()
+    assert (cfg.model, cfg.lr and sft.Config().lr, cfg.warmup_ratio, cfg.epochs, cfg.batch_size, cfg.max_len,
+            cfg.grad_clip) == ("Qwen/Qwen3-4B-Instruct-2507", 1e-5, 0.1, 5, 32, 32768, 1.0)
+    toy = sft.parse_args(["--preset", "toy", "--epochs=1"])
+    assert toy.model == "toy" and toy.max_len == sft.TOY["max_len"] and toy.epochs == 1
+    ran = []
+    monkeypatch.setattr(sft, "train", ran.append)
+    sft.main([])  # `python sft.py` alone runs the toy preset
+    assert ran == [sft.parse_args(["--preset=toy"])]
     with pytest.raises(SystemExit):
         sft.parse_args(["--learning_rate=1"])
+
+
+def test_qwen3_hybrid_thinking_template(tiny_tokenizer):
+    """Qwen3-4B's own template writes an empty think block into the last assistant turn only, so a
+    turn renders differently once later messages follow it; the mask still covers the assistant's
+    tokens exactly (the think block the template puts into its turn included)."""
+    import copy
+    tok = copy.deepcopy(tiny_tokenizer)
+    tok.chat_template = open(os.path.join(ROOT, "tests", "fixtures", "qwen3_hybrid_chat_template.jinja")).read()
+    record = conversation(random.Random(3))
+    while len(record["messages"]) < 4:  # at least one tool call before the answer
+        record = conversation(random.Random(len(record["messages"]) + 10))
+    ids, mask, _ = sft.render(tok, record["messages"], record["tools"])
+    assert ids == tok.encode(tok.apply_chat_template(record["messages"], tools=record["tools"], tokenize=False),
+                             add_special_tokens=False)
+    runs, cur = [], []
+    for t, m in zip(ids + [None], mask + [0]):
+        if m:
+            cur.append(t)
+        elif cur:
+            runs.append(tok.decode(cur))
+            cur = []
+    assistant = [m for m in record["messages"] if m["role"] == "assistant"]
+    assert len(runs) == len(assistant) and all(r.endswith("<|im_end|>") for r in runs)
+    assert runs[-1] == "<think>\n\n</think>\n\n" + assistant[-1]["content"] + "<|im_end|>"
+    assert all(r.startswith("<tool_call>") or r.startswith(m["content"]) for r, m in zip(runs[:-1], assistant))
+
+
+def test_fsdp_syncs_gradients_once_per_step(tiny_ckpt, tmp_path, monkeypatch):
+    """Under torchrun (here a world of one, FSDP2 for real) the gradients are reduced once per
+    optimizer step, after the last micro-batch, not after every micro-batch."""
+    from torch.distributed.fsdp import FSDPModule
+    calls = []
+    real = FSDPModule.set_requires_gradient_sync
+    monkeypatch.setattr(FSDPModule, "set_requires_gradient_sync", lambda self, v, **kw: (calls.append(v), real(self, v, **kw)))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    data = write_fixture(tmp_path / "d.jsonl", 16, seed=6)
+    sft.train(config(tiny_ckpt, data, tmp_path / "fsdp", max_steps=2, micro_batch_tokens=1024))
+    per_step = len(calls) // 2
+    assert per_step > 1 and calls == ([False] * (per_step - 1) + [True]) * 2, calls
+    assert len(train_losses(tmp_path / "fsdp")) == 2
