@@ -1,51 +1,27 @@
-"""data/prepare.py: get the paper's datasets into the project's jsonl formats.
+"""data/prepare.py: the paper's datasets -> the project's jsonl formats (docs/CONTRACTS.md).
 
-    python data/prepare.py sft  --out data     # Gen-Verse/Open-AgentRL-SFT-3K -> data/sft.jsonl
-    python data/prepare.py rl   --out data     # Gen-Verse/Open-AgentRL-30K    -> data/rl.jsonl
-    python data/prepare.py eval --out data     # Gen-Verse/Open-AgentRL-Eval   -> data/eval/{aime24,aime25,gpqa,lcb}.jsonl
-    python data/prepare.py all  --out data     # all three
-    python data/prepare.py rl --source /path/to/Open-AgentRL-30K   # a local copy (dir or file)
-    python data/prepare.py filter --model DIR --data data/rl.jsonl --k 8 --out data/rl_filtered.jsonl
+    python data/prepare.py sft  --out data   # Gen-Verse/Open-AgentRL-SFT-3K -> data/sft.jsonl
+    python data/prepare.py rl   --out data   # Gen-Verse/Open-AgentRL-30K    -> data/rl.jsonl
+    python data/prepare.py eval --out data   # Gen-Verse/Open-AgentRL-Eval   -> data/eval/{aime24,aime25,gpqa,lcb}.jsonl
+    python data/prepare.py all  --out data   # all three
+    python data/prepare.py eval --source code_generation_lite/test6.jsonl --lcb_start 2025-02-01
 
-Sources are Hugging Face dataset ids (downloaded with huggingface_hub) or, for clusters
-whose compute nodes have no internet, a local directory or file. Files may be .parquet
-(needs pyarrow: `pip install pyarrow`), .jsonl or .json (a list of rows) in the same row
-layout, which is what the offline tests use.
+--source is a hub dataset id (downloaded with huggingface_hub, optional) or a local directory or
+file of .parquet (needs pyarrow, optional), .jsonl or .json rows. Eval also reads raw GPQA
+(Question / Correct Answer / Incorrect Answer 1-3, options shuffled with a seed fixed by the
+question) and raw livecodebench/code_generation_lite rows (private tests: base64 of zlib of a
+pickle, read by an unpickler that builds plain data only) whose contest_date lies in the
+paper's v6 window, 2025-02-01 .. 2025-05-31 inclusive (--lcb_start / --lcb_end).
 
-Formats written (DESIGN.md):
-  SFT       {"messages": [...], "tools": [...]}  OpenAI-style; tool-call arguments as dicts
-  RL, eval  {"prompt", "answer", "kind": math|choice|code, "source", "tests" (code),
-             "benchmark" (eval), "id"}
-  code tests {"fn_name": null | str, "cases": [{"input": str, "output": str}, ...]}
-
-Upstream fields read:
-  SFT-3K          messages (role, content, tool_calls[].function.{name, arguments}, name,
-                  tool_call_id), tools
-  30K (verl)      data_source, prompt (chat messages; the user turn, a system turn is
-                  prepended to it), ability, reward_model.ground_truth, extra_info.index;
-                  code ground truth {"inputs", "outputs", "fn_name"?} (JSON text or dict)
-  Eval AIME 2024  Problem, Answer (or problem/answer, or the verl fields)
-  Eval AIME 2025  problem, answer
-  Eval GPQA-D     problem (options written in), solution (the letter), domain; or raw GPQA:
-                  Question, Correct Answer, Incorrect Answer 1-3 (shuffled with a fixed seed)
-  Eval LCB v6     problem, reward_model.ground_truth {"inputs","outputs","fn_name"?},
-                  extra_info.starter_code?; or raw LiveCodeBench: question_content,
-                  starter_code, public_test_cases, private_test_cases (base64 + zlib +
-                  pickle, read with a plain-data-only unpickler), metadata.func_name,
-                  question_id
-A malformed row stops the run with the file, the row number (from 1) and the field.
-Rows this project cannot grade (assert-style code tests) are skipped and counted.
-
-Model-aware filtering (the paper's data strategy): `filter` samples k trajectories per
-problem with a checkpoint (paper: 8), records each problem's pass rate in
-<out>.results.jsonl as it goes (rerunning skips the problems already there), drops the
-problems solved always or never, tags the rest easy (>= 0.75), medium or hard (<= 0.25),
-and writes <out> plus a difficulty histogram in <out>.hist.json.
+Prompts are upstream's (data/prompts.py); a 30K row's system turn stays a system message.
+A malformed row stops the run with one line: file, row number (from 1), field, what is wrong.
+Departure: each 30K row gets the prompt of its own data_source; upstream picks one map
+function per parquet file, by the data_source of the file's first row.
 """
 
 import argparse
 import base64
-import hashlib
+import datetime
 import io
 import json
 import os
@@ -56,323 +32,223 @@ import sys
 import zlib
 from collections import Counter
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:  # `python data/prepare.py` puts data/ on the path, not the root
-    sys.path.insert(0, ROOT)
-
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # when run as a script
 from data import prompts  # noqa: E402
 
-HUB = {
-    "sft": "Gen-Verse/Open-AgentRL-SFT-3K",
-    "rl": "Gen-Verse/Open-AgentRL-30K",
-    "eval": "Gen-Verse/Open-AgentRL-Eval",
-}
+HUB = {"sft": "Gen-Verse/Open-AgentRL-SFT-3K", "rl": "Gen-Verse/Open-AgentRL-30K",
+       "eval": "Gen-Verse/Open-AgentRL-Eval"}
 ROW_FILES = (".parquet", ".jsonl", ".json")
-MAX_DECOMPRESSED = 1 << 30  # LiveCodeBench's biggest test blobs are far below 1 GiB
+MAX_DECOMPRESSED = 1 << 30  # LiveCodeBench's largest test blobs are far below 1 GiB
+LCB_WINDOW = (datetime.date(2025, 2, 1), datetime.date(2025, 5, 31))  # the paper's LiveCodeBench v6 slice
+ROLES = ("system", "user", "assistant", "tool")
 
 
 class DataError(Exception):
-    """A malformed source row: says where and what."""
-
     def __init__(self, where, field, what):
         super().__init__(f"{where}: field '{field}': {what}")
 
 
-class Skip(Exception):
-    """A well-formed row this project cannot use; counted, not fatal."""
-
-
-# --------------------------------------------------------------------------------------
-# finding and reading files
-
-
+# files --------------------------------------------------------------------------------
 def resolve_files(source):
-    """A local file, every row file under a local directory, or a hub dataset's files."""
+    """(root, files): a local file, the row files under a local directory or a hub dataset."""
     if os.path.isfile(source):
-        return [source]
-    if os.path.isdir(source):
-        root = source
-    elif re.fullmatch(r"[\w.-]+/[\w.-]+", source) and not source.startswith("."):
-        root = download(source)
-    else:
-        raise SystemExit(f"{source}: no such file or directory")
+        return os.path.dirname(os.path.abspath(source)), [source]
+    root = source if os.path.isdir(source) else download(source)
     files = []
     for d, dirs, names in os.walk(root):
         dirs[:] = sorted(x for x in dirs if not x.startswith("."))  # skip .cache, .git
         files += [os.path.join(d, n) for n in sorted(names) if n.endswith(ROW_FILES)]
     if not files:
         raise SystemExit(f"{source}: no .parquet, .jsonl or .json files found")
-    return files
+    return os.path.dirname(os.path.abspath(root)), files  # root's own name tells the benchmark too
 
 
 def download(repo_id):
+    if not re.fullmatch(r"[\w.-]+/[\w.-]+", repo_id) or repo_id.startswith("."):
+        raise SystemExit(f"{repo_id}: no such file or directory")
     try:
         from huggingface_hub import snapshot_download
     except ImportError:
-        raise SystemExit("downloading from the hub needs huggingface_hub "
-                         "(pip install huggingface_hub), or pass --source DIR")
+        raise SystemExit("downloading needs huggingface_hub (pip install huggingface_hub), or pass --source DIR")
     try:
-        return snapshot_download(repo_id=repo_id, repo_type="dataset",
-                                 allow_patterns=["*.parquet", "*.jsonl", "*.json"])
+        return snapshot_download(repo_id=repo_id, repo_type="dataset", allow_patterns=["*" + e for e in ROW_FILES])
     except Exception as e:
-        raise SystemExit(f"could not download {repo_id} from the Hugging Face hub "
-                         f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
-                         "download it where there is internet and pass --source DIR")
-
-
-def read_parquet(path):
-    """Rows of a parquet file as plain dicts, streamed in batches (LiveCodeBench rows are
-    large). pyarrow is an optional dependency needed only here; see the README."""
-    try:
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise SystemExit(f"{path}: reading parquet needs pyarrow (pip install pyarrow), "
-                         "or convert the file to .jsonl first")
-    for batch in pq.ParquetFile(path).iter_batches(batch_size=64):
-        yield from batch.to_pylist()
+        raise SystemExit(f"could not download {repo_id} from the Hugging Face hub ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0] if str(e) else ''}); download it elsewhere and pass --source DIR")
 
 
 def read_rows(path):
     """(row number from 1, row dict) for a .parquet, .jsonl or .json file."""
     if path.endswith(".parquet"):
-        rows = read_parquet(path)
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise SystemExit(f"{path}: reading parquet needs pyarrow (pip install pyarrow), or convert it to .jsonl")
+        rows = enumerate((r for b in pq.ParquetFile(path).iter_batches(batch_size=64) for r in b.to_pylist()), 1)
     elif path.endswith(".jsonl"):
-        rows = _jsonl_rows(path)
-    elif path.endswith(".json"):
-        with open(path, encoding="utf-8") as f:
-            try:
-                data = json.load(f)
-            except json.JSONDecodeError as e:
-                raise SystemExit(f"{path}: not JSON ({e.msg}, line {e.lineno})")
-        if not isinstance(data, list):
-            raise SystemExit(f"{path}: a .json source must hold a list of rows")
-        rows = data
+        rows = jsonl_rows(path)
     else:
-        raise SystemExit(f"{path}: unknown file type (expected .parquet, .jsonl or .json)")
-    for i, row in enumerate(rows, 1):
+        with open(path, encoding="utf-8") as f:
+            rows = loads(f.read(), path)
+        if not isinstance(rows, list):
+            raise SystemExit(f"{path}: a .json source must hold a list of rows")
+        rows = enumerate(rows, 1)
+    for i, row in rows:
         if not isinstance(row, dict):
             raise SystemExit(f"{path}: row {i}: not an object")
         yield i, row
 
 
-def _jsonl_rows(path):
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                yield json.loads(line)
-            except json.JSONDecodeError as e:
-                raise SystemExit(f"{path}: row {lineno}: not JSON ({e.msg})")
+def jsonl_rows(path):
+    with open(path, encoding="utf-8") as f:  # streamed: raw LiveCodeBench files run to gigabytes
+        for i, line in enumerate(f, 1):
+            if line.strip():
+                yield i, loads(line, f"{path}: row {i}")
+
+
+def loads(text, where):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise SystemExit(f"{where}: not JSON ({e.msg}, line {e.lineno})")
 
 
 def write_jsonl(path, records):
-    """Write through a temporary file and rename, so a crash never leaves half a file."""
+    """Through a temporary file and a rename, so a crash never leaves half a file."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        for r in records:
-            f.write(json.dumps(r, ensure_ascii=False) + "\n")
-    os.replace(tmp, path)
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+    os.replace(path + ".tmp", path)
 
 
-# --------------------------------------------------------------------------------------
-# field helpers
-
-
+# fields -------------------------------------------------------------------------------
 def need(row, name, where, types=str):
-    if name not in row or row[name] is None:
+    if row.get(name) is None:
         raise DataError(where, name, "missing")
     if not isinstance(row[name], types):
-        raise DataError(where, name, f"expected {_type_names(types)}, got {type(row[name]).__name__}")
+        raise DataError(where, name, f"unexpected type {type(row[name]).__name__}")
     return row[name]
 
 
-def _type_names(types):
-    types = types if isinstance(types, tuple) else (types,)
-    return " or ".join(t.__name__ for t in types)
-
-
 def json_field(value, where, field):
-    """Upstream files store nested fields either as structs or as JSON text; accept both."""
-    if isinstance(value, str):
-        try:
-            return json.loads(value)
-        except json.JSONDecodeError as e:
-            raise DataError(where, field, f"not valid JSON ({e.msg})")
-    return value
+    """Upstream files hold nested fields as structs or as JSON text; accept both."""
+    try:
+        return json.loads(value) if isinstance(value, str) else value
+    except json.JSONDecodeError as e:
+        raise DataError(where, field, f"not valid JSON ({e.msg})")
 
 
 def drop_none(x):
     """Parquet struct columns fill absent keys with None (one schema for all rows)."""
     if isinstance(x, dict):
         return {k: drop_none(v) for k, v in x.items() if v is not None}
-    if isinstance(x, list):
-        return [drop_none(v) for v in x]
-    return x
+    return [drop_none(v) for v in x] if isinstance(x, list) else x
 
 
-def check_plain(x, where, field, depth=0):
-    """Only str/int/float/bool/None/list/dict-with-str-keys; anything else is refused."""
-    if depth > 100:
-        raise DataError(where, field, "nested too deeply")
-    if x is None or isinstance(x, (str, bool, int, float)):
-        return
-    if isinstance(x, list):
-        for v in x:
-            check_plain(v, where, field, depth + 1)
-        return
-    if isinstance(x, dict):
-        for k, v in x.items():
-            if not isinstance(k, str):
-                raise DataError(where, field, f"non-string key of type {type(k).__name__}")
-            check_plain(v, where, field, depth + 1)
-        return
-    raise DataError(where, field, f"holds a {type(x).__name__}, only plain data is allowed")
+def check_plain(x, where, field):
+    """JSON-like data only: a tuple, set, bytes or non-string key does not survive a JSON round trip."""
+    try:
+        plain = json.loads(json.dumps(x)) == x
+    except (TypeError, ValueError, RecursionError):
+        plain = False
+    if not plain:
+        raise DataError(where, field, f"holds a {type(x).__name__} that is not JSON data: only plain data is allowed")
 
 
-# --------------------------------------------------------------------------------------
-# code tests
-
-
+# code tests ---------------------------------------------------------------------------
 class PlainUnpickler(pickle.Unpickler):
-    """Unpickles only what the pickle opcodes build by themselves (str, bytes, numbers,
-    lists, dicts, ...). Any class or function reference, the way a pickle runs code, is
-    refused; check_plain then narrows the result to JSON-like data."""
+    """Refuses every class or function reference, the way a pickle runs code: only what the
+    opcodes build by themselves (str, bytes, numbers, lists, dicts, ...) comes out."""
 
     def find_class(self, module, name):
         raise pickle.UnpicklingError(f"refused to load {module}.{name}: only plain data is allowed")
 
-    def persistent_load(self, pid):
-        raise pickle.UnpicklingError("refused a persistent id: only plain data is allowed")
 
-
-def decode_lcb_tests(value, where, field):
-    """LiveCodeBench test lists: JSON text, or (private tests) base64 of zlib of a pickle
-    of JSON text."""
-    if value is None or value == "":
-        return []
-    obj = value
-    if isinstance(value, str):
+def lcb_tests(value, where, field):
+    """A LiveCodeBench test list (JSON text, or base64 of zlib of a pickle of JSON text)
+    -> (cases, set of test types)."""
+    items = value or []
+    if isinstance(items, str):
         try:
-            obj = json.loads(value)
+            items = json.loads(items)
         except json.JSONDecodeError:
-            try:
-                raw = base64.b64decode(value, validate=True)
-                d = zlib.decompressobj()
-                data = d.decompress(raw, MAX_DECOMPRESSED)
-                if d.unconsumed_tail:
-                    raise DataError(where, field, f"decompresses past {MAX_DECOMPRESSED} bytes")
-                obj = PlainUnpickler(io.BytesIO(data)).load()
-            except DataError:
-                raise
-            except Exception as e:
-                raise DataError(where, field, f"neither JSON nor base64+zlib+pickle ({type(e).__name__}: {e})")
-            if isinstance(obj, bytes):
-                obj = obj.decode("utf-8", errors="replace")
-            if isinstance(obj, str):
-                try:
-                    obj = json.loads(obj)
-                except json.JSONDecodeError as e:
-                    raise DataError(where, field, f"decoded payload is not JSON ({e.msg})")
-    check_plain(obj, where, field)
-    if not isinstance(obj, list):
-        raise DataError(where, field, "expected a list of test cases")
-    return obj
+            items = json_field(unpickle_blob(items, where, field), where, field)
+    check_plain(items, where, field)
+    if not isinstance(items, list) or not all(isinstance(c, dict) and isinstance(c.get("input"), str)
+                                              and isinstance(c.get("output"), str) for c in items):
+        raise DataError(where, field, "expected a list of {'input': str, 'output': str, 'testtype': ...}")
+    return [{"input": c["input"], "output": c["output"]} for c in items], {c.get("testtype") for c in items}
 
 
-def lcb_cases(items, where, field):
-    """[{'input', 'output', 'testtype'}] -> (cases, set of test types)."""
-    cases, kinds = [], set()
-    for j, c in enumerate(items):
-        if not isinstance(c, dict) or not isinstance(c.get("input"), str) or not isinstance(c.get("output"), str):
-            raise DataError(where, f"{field}[{j}]", "expected {'input': str, 'output': str, 'testtype': ...}")
-        kinds.add(c.get("testtype", "stdin"))
-        cases.append({"input": c["input"], "output": c["output"]})
-    return cases, kinds
+def unpickle_blob(value, where, field):
+    try:
+        d = zlib.decompressobj()
+        data = d.decompress(base64.b64decode(value, validate=True), MAX_DECOMPRESSED)
+        if d.unconsumed_tail:  # a zip bomb would otherwise fill the memory
+            raise ValueError(f"decompresses past {MAX_DECOMPRESSED} bytes")
+        obj = PlainUnpickler(io.BytesIO(data)).load()
+    except Exception as e:
+        raise DataError(where, field, f"neither JSON nor base64+zlib+pickle ({type(e).__name__}: {e})")
+    return obj.decode("utf-8", errors="replace") if isinstance(obj, bytes) else obj
 
 
-def tests_from_ground_truth(gt, where, field="reward_model.ground_truth"):
-    """verl / PRIME-style code ground truth -> the project's test shape.
-
-    {"inputs": [...], "outputs": [...], "fn_name"?}: stdin programs take each input string
-    as stdin (a list of lines is joined); with fn_name, inputs given as argument lists are
-    written one JSON argument per line and outputs as JSON, while inputs already given as
-    text (LiveCodeBench style) are kept as they are."""
+def code_tests(gt, where, field="reward_model.ground_truth"):
+    """verl code ground truth -> the three test shapes of CONTRACTS.md."""
     gt = json_field(gt, where, field)
-    if isinstance(gt, list):
-        cases, kinds = lcb_cases(gt, where, field)
+    if isinstance(gt, list):  # a LiveCodeBench test list
+        cases, kinds = lcb_tests(gt, where, field)
         if "functional" in kinds:
-            raise DataError(where, field, "functional test list without a function name")
+            raise DataError(where, field, "functional tests without a function name")
         return {"fn_name": None, "cases": cases}
     if not isinstance(gt, dict):
-        raise DataError(where, field, f"expected an object with inputs/outputs, got {type(gt).__name__}")
-    if "inputs" not in gt and ("test_code" in gt or "import_prefix" in gt):
-        raise Skip("assert-style code tests (import_prefix/test_code) are not supported")
-    ins, outs = gt.get("inputs"), gt.get("outputs")
-    if not isinstance(ins, list) or not isinstance(outs, list):
-        raise DataError(where, field, "needs lists 'inputs' and 'outputs'")
-    if len(ins) != len(outs):
-        raise DataError(where, field, f"{len(ins)} inputs but {len(outs)} outputs")
-    if not ins:
-        raise DataError(where, field, "no test cases")
-    fn = gt.get("fn_name") or None
-    if fn is not None and not isinstance(fn, str):
+        raise DataError(where, field, f"expected an object, got {type(gt).__name__}")
+    if "inputs" not in gt and {"test_code", "entry_point", "import_prefix"} & gt.keys():
+        tests = {"fn_name": None, "cases": [], "import_prefix": gt.get("import_prefix") or ""}  # assert-style
+        for key in ("test_code", "entry_point"):
+            if not isinstance(gt.get(key), str) or not gt[key].strip():
+                raise DataError(where, f"{field}.{key}", "missing (assert-style tests need test_code and entry_point)")
+            tests[key] = gt[key]
+        return tests
+    ins, outs, fn = gt.get("inputs"), gt.get("outputs"), gt.get("fn_name") or None
+    if not isinstance(ins, list) or not isinstance(outs, list) or not ins or len(ins) != len(outs):
+        raise DataError(where, field, "needs lists 'inputs' and 'outputs' of one non-zero length")
+    if fn is None:  # stdin programs; a list of lines is one text
+        cases = [{"input": "\n".join(map(str, i)) if isinstance(i, list) else i,
+                  "output": "\n".join(map(str, o)) if isinstance(o, list) else o} for i, o in zip(ins, outs)]
+        if not all(isinstance(c["input"], str) and isinstance(c["output"], str) for c in cases):
+            raise DataError(where, field + ".inputs", "stdin tests need text inputs and outputs")
+        return {"fn_name": None, "cases": cases}
+    if not isinstance(fn, str):
         raise DataError(where, field + ".fn_name", "not a string")
-    cases = []
-    for j, (i, o) in enumerate(zip(ins, outs)):
-        if fn is None:
-            if isinstance(i, list):
-                i = "\n".join(str(x) for x in i)
-            if isinstance(o, list):
-                o = "\n".join(str(x) for x in o)
-            if not isinstance(i, str) or not isinstance(o, str):
-                raise DataError(where, f"{field}.inputs[{j}]", "stdin tests need string inputs and outputs")
-        elif isinstance(i, str):
-            if not isinstance(o, str):
-                o = json.dumps(o)
-        else:
-            args = i if isinstance(i, list) else [i]
-            i = "\n".join(json.dumps(a) for a in args)
-            o = json.dumps(o)
-        cases.append({"input": i, "output": o})
-    return {"fn_name": fn, "cases": cases}
+    if all(isinstance(i, str) for i in ins):  # LiveCodeBench style: one JSON argument a line already
+        return {"fn_name": fn, "cases": [{"input": i, "output": o if isinstance(o, str) else json.dumps(o)}
+                                         for i, o in zip(ins, outs)]}
+    if not all(isinstance(i, list) for i in ins):
+        raise DataError(where, field + ".inputs", "call-based inputs must all be argument lists")
+    # TACO / APPS call-based: each output stored wrapped in a list ([48]); the grader takes either
+    return {"fn_name": fn, "wrapped": True, "cases": [
+        {"input": "\n".join(json.dumps(a) for a in i), "output": json.dumps(o)} for i, o in zip(ins, outs)]}
 
 
-# --------------------------------------------------------------------------------------
-# converters
-
-
-ROLES = ("system", "user", "assistant", "tool")
-
-
-def convert_sft_row(row, where):
+# SFT-3K and RL-30K --------------------------------------------------------------------
+def convert_sft(row, where):
     msgs = json_field(need(row, "messages", where, (list, str)), where, "messages")
     if not isinstance(msgs, list) or not msgs:
         raise DataError(where, "messages", "expected a non-empty list of messages")
     out = []
     for j, m in enumerate(msgs):
         f = f"messages[{j}]"
-        if not isinstance(m, dict):
-            raise DataError(where, f, "not an object")
-        role = m.get("role")
-        if role not in ROLES:
-            raise DataError(where, f + ".role", f"{role!r} is not one of {', '.join(ROLES)}")
-        content = m.get("content")
-        if content is None:
-            content = ""
-        if not isinstance(content, str):
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise DataError(where, f + ".role", f"not one of {', '.join(ROLES)}")
+        if not isinstance(m.get("content") or "", str):
             raise DataError(where, f + ".content", "not a string")
-        msg = {"role": role, "content": content}
+        msg = {"role": m["role"], "content": m.get("content") or ""}
         calls = json_field(m.get("tool_calls"), where, f + ".tool_calls")
+        if calls and m["role"] != "assistant":
+            raise DataError(where, f + ".tool_calls", f"only assistant messages call tools, not {m['role']}")
         if calls:
-            if role != "assistant":
-                raise DataError(where, f + ".tool_calls", f"only assistant messages call tools, not {role}")
-            msg["tool_calls"] = [normalize_call(c, where, f"{f}.tool_calls[{k}]") for k, c in enumerate(calls)]
-        for key in ("name", "tool_call_id"):
-            if isinstance(m.get(key), str) and m[key]:
-                msg[key] = m[key]
-        out.append(msg)
+            msg["tool_calls"] = [tool_call(c, where, f"{f}.tool_calls[{k}]") for k, c in enumerate(calls)]
+        out.append(dict(msg, **{k: m[k] for k in ("name", "tool_call_id") if isinstance(m.get(k), str) and m[k]}))
     if not any(m["role"] == "assistant" for m in out):
         raise DataError(where, "messages", "no assistant message to train on")
     tools = json_field(need(row, "tools", where, (list, str)), where, "tools")
@@ -381,457 +257,198 @@ def convert_sft_row(row, where):
     return {"messages": out, "tools": drop_none(tools)}
 
 
-def normalize_call(c, where, field):
-    if not isinstance(c, dict):
-        raise DataError(where, field, "not an object")
-    fn = c.get("function") if isinstance(c.get("function"), dict) else c
-    name = fn.get("name")
-    if not isinstance(name, str) or not name:
+def tool_call(c, where, field):
+    """An OpenAI tool call, its arguments as a dict (the SFT file has them as JSON text)."""
+    fn = c.get("function") if isinstance(c, dict) and isinstance(c.get("function"), dict) else c
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
         raise DataError(where, field + ".function.name", "missing")
-    args = fn.get("arguments")
-    if isinstance(args, str):
-        try:
-            args = json.loads(args)
-        except json.JSONDecodeError as e:
-            raise DataError(where, field + ".function.arguments", f"not valid JSON ({e.msg})")
+    args = json_field(fn.get("arguments"), where, field + ".function.arguments")
     if not isinstance(args, dict):
         raise DataError(where, field + ".function.arguments", "expected an object")
-    call = {"type": "function", "function": {"name": name, "arguments": drop_none(args)}}
-    if isinstance(c.get("id"), str) and c["id"]:
-        call["id"] = c["id"]
-    return call
+    call = {"type": "function", "function": {"name": fn["name"], "arguments": drop_none(args)}}
+    return dict(call, id=c["id"]) if isinstance(c.get("id"), str) and c["id"] else call
 
 
-def verl_user_text(row, where):
-    """The user turn of a verl chat prompt; a system turn, if any, goes in front of it (the
-    project's rollout adds no system prompt of its own)."""
-    msgs = json_field(need(row, "prompt", where, (list, str)), where, "prompt")
-    if isinstance(msgs, str) or not isinstance(msgs, list):
-        raise DataError(where, "prompt", "expected a list of chat messages")
-    system = [m.get("content") or "" for m in msgs if isinstance(m, dict) and m.get("role") == "system"]
-    users = [m for m in msgs if isinstance(m, dict) and m.get("role") == "user"]
-    if not users or not isinstance(users[-1].get("content"), str) or not users[-1]["content"].strip():
-        raise DataError(where, "prompt", "no user message with text")
-    return "\n\n".join([s for s in system if s] + [users[-1]["content"]])
-
-
-def reward_ground_truth(row, where):
+def ground_truth(row, where):
     rm = json_field(need(row, "reward_model", where, (dict, str)), where, "reward_model")
     if not isinstance(rm, dict) or rm.get("ground_truth") is None:
         raise DataError(where, "reward_model.ground_truth", "missing")
     return rm["ground_truth"]
 
 
-def row_id(row):
-    extra = row.get("extra_info")
-    if isinstance(extra, str):
-        try:
-            extra = json.loads(extra)
-        except json.JSONDecodeError:
-            extra = None
-    if isinstance(extra, dict) and extra.get("index") is not None:
-        return extra["index"]
-    return None
-
-
-def is_code_row(row):
-    ds = str(row.get("data_source") or "").lower()
-    ability = str(row.get("ability") or "").lower()
-    return "code" in ds or ability in ("code", "coding")
-
-
-def convert_rl_row(row, where):
-    """A verl-layout row of Open-AgentRL-30K (math_dapo, mega-science, code)."""
+def convert_rl(row, where):
     source = need(row, "data_source", where)
-    text = verl_user_text(row, where)
-    gt = reward_ground_truth(row, where)
-    rec = {"prompt": None, "answer": None, "kind": None, "source": source}
-    if is_code_row(row):
-        rec.update(prompt=text + prompts.CODE_SUFFIX, kind="code",
-                   tests=tests_from_ground_truth(gt, where))
+    msgs = json_field(need(row, "prompt", where, (list, str)), where, "prompt")
+    turns = {}  # role -> the first message of that role with text
+    for m in msgs if isinstance(msgs, list) else []:
+        if isinstance(m, dict) and isinstance(m.get("content"), str) and m["content"].strip():
+            turns.setdefault(m.get("role"), m["content"])
+    if "user" not in turns:
+        raise DataError(where, "prompt", "no user message with text")
+    gt = ground_truth(row, where)
+    rec = {"prompt": prompts.rl(turns["user"], source), "answer": None, "kind": "code", "source": source}
+    if "code" in source.lower():  # upstream's compute_score sends these rows to the code grader
+        rec["tests"] = code_tests(gt, where)
     else:
-        if isinstance(gt, list) and len(gt) == 1:
-            gt = gt[0]
-        if isinstance(gt, bool) or not isinstance(gt, (str, int, float)) or str(gt).strip() == "":
+        gt = gt[0] if isinstance(gt, list) and len(gt) == 1 else gt
+        if isinstance(gt, bool) or not isinstance(gt, (str, int, float)) or not str(gt).strip():
             raise DataError(where, "reward_model.ground_truth", "expected a non-empty answer string")
-        # math_dapo / mega-science messages already carry the tool and box instructions
-        already = source.lower() in ("math_dapo", "mega-science", "mega_science")
-        prompt = text + prompts.UNITS_SUFFIX if already else prompts.math_prompt(text)
-        rec.update(prompt=prompt, kind="math", answer=str(gt).strip())
-    rid = row_id(row)
-    if rid is not None:
-        rec["id"] = rid
+        rec.update(kind="math", answer=str(gt).strip())
+    if "system" in turns:
+        rec["system"] = turns["system"]
+    extra = json_field(row.get("extra_info"), where, "extra_info")
+    if isinstance(extra, dict) and extra.get("index") is not None:
+        rec["id"] = extra["index"]
     return rec
 
 
-def benchmark_name(text):
-    """aime24 / aime25 / gpqa / lcb from a data_source value or a path; None if unknown."""
-    t = re.sub(r"[^a-z0-9]", "", str(text).lower())
-    if "aime" in t and ("2024" in t or "aime24" in t):
-        return "aime24"
-    if "aime" in t and ("2025" in t or "aime25" in t):
-        return "aime25"
-    if "gpqa" in t:
-        return "gpqa"
-    if "livecodebench" in t or "lcb" in t or "codegenerationlite" in t:
-        return "lcb"
-    return None
+# Eval ---------------------------------------------------------------------------------
+def benchmark_of(rel, row):
+    """aime24 | aime25 | gpqa | lcb, from the raw layouts, the folder and file names (Open-AgentRL-Eval
+    has aime2024/, gpqa-diamond/, ...) or data_source; else a name made from data_source."""
+    if "question_content" in row or "Correct Answer" in row:
+        return "lcb" if "question_content" in row else "gpqa"
+    for part in re.split(r"[\\/]", rel)[::-1] + [str(row.get("data_source") or "")]:
+        t = re.sub(r"[^a-z0-9]", "", part.lower())
+        for name, keys in (("aime24", ("aime2024", "aime24")), ("aime25", ("aime2025", "aime25")),
+                           ("gpqa", ("gpqa",)), ("lcb", ("livecodebench", "lcb", "codegenerationlite"))):
+            if any(k in t for k in keys):
+                return name
+    name = str(row.get("data_source") or os.path.splitext(os.path.basename(rel))[0]).lower()
+    return re.sub(r"[^a-z0-9_]+", "_", name).strip("_") or "other"
 
 
-def aime_answer(value, where, field):
-    """AIME answers are integers 0..999; some copies zero-pad them ("033")."""
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    s = str(value).strip()
+def convert_aime(row, where):
+    problem = next((k for k in ("Problem", "problem") if row.get(k) is not None), "Problem")
+    key = next((k for k in ("Answer", "answer") if row.get(k) is not None), "Answer")
+    value = need(row, key, where, (str, int, float))
+    s = str(int(value) if isinstance(value, float) and value.is_integer() else value).strip()
     if isinstance(value, bool) or not re.fullmatch(r"[+-]?\d+", s):
-        raise DataError(where, field, f"AIME answer {s[:40]!r} is not an integer")
-    return int(s)
+        raise DataError(where, key, f"AIME answer {s[:40]!r} is not an integer")
+    rec = {"prompt": prompts.aime(need(row, problem, where)), "answer": int(s), "kind": "math"}  # "033" -> 33
+    return dict(rec, id=row.get("ID", row.get("id"))) if row.get("ID", row.get("id")) is not None else rec
 
 
-def first_present(row, names):
-    for n in names:
-        if row.get(n) is not None:
-            return n
-    return None
-
-
-def convert_aime_row(row, where, bench):
-    pf = first_present(row, ("Problem", "problem", "question"))
-    af = first_present(row, ("Answer", "answer"))
-    if pf is None and "prompt" in row:
-        problem, answer, af = verl_user_text(row, where), reward_ground_truth(row, where), "reward_model.ground_truth"
-    else:
-        if pf is None:
-            raise DataError(where, "Problem", "missing (also looked for problem, question, prompt)")
-        if af is None:
-            raise DataError(where, "Answer", "missing (also looked for answer)")
-        problem, answer = need(row, pf, where), row[af]
-    rec = {"prompt": prompts.math_prompt(problem), "answer": aime_answer(answer, where, af),
-           "kind": "math", "source": row.get("data_source") or bench, "benchmark": bench}
-    rid = row.get("ID", row.get("id"))
-    if rid is not None:
-        rec["id"] = rid
-    return rec
-
-
-def choice_letter(value, where, field, n_choices=None):
-    if isinstance(value, int) and not isinstance(value, bool):
-        if n_choices is not None and not 0 <= value < n_choices:
-            raise DataError(where, field, f"answer index {value} out of range")
-        return chr(ord("A") + value)
-    s = str(value).strip().strip("()").strip().rstrip(".").upper()
-    if not re.fullmatch(r"[A-Z]", s):
-        raise DataError(where, field, f"{str(value)[:40]!r} is not an option letter")
-    return s
-
-
-def convert_gpqa_row(row, where, bench):
-    domain = row.get("domain") or row.get("High-level domain") or None
-    if row.get("Question") is not None and row.get("Correct Answer") is not None:
-        # the original GPQA layout: shuffle the options with a seed fixed by the question
+def convert_gpqa(row, where):
+    if row.get("Question") is not None:  # raw GPQA: options shuffled with a seed fixed by the question
         question = need(row, "Question", where)
-        right = str(need(row, "Correct Answer", where)).strip()
-        wrong = [str(need(row, f"Incorrect Answer {i}", where)).strip() for i in (1, 2, 3)]
-        options = [right] + wrong
+        options = [str(need(row, k, where, (str, int, float))).strip()
+                   for k in ("Correct Answer", "Incorrect Answer 1", "Incorrect Answer 2", "Incorrect Answer 3")]
+        right = options[0]
         random.Random(zlib.crc32(question.encode())).shuffle(options)
-        prompt = prompts.choice_prompt(question, options, domain)
-        letter = chr(ord("A") + options.index(right))
-    elif isinstance(row.get("choices"), list):
-        question = need(row, first_present(row, ("problem", "question")) or "question", where)
-        choices = row["choices"]
-        af = first_present(row, ("answer", "solution")) or "answer"
-        letter = choice_letter(need(row, af, where, (str, int)), where, af, len(choices))
-        prompt = prompts.choice_prompt(question, choices, domain)
+        letter = "ABCD"[options.index(right)]
+        problem = question.strip() + "\n" + "\n".join(f"({x}) {o}" for x, o in zip("ABCD", options))  # as the Eval file
+        domain = need(row, "High-level domain", where)
+    else:  # Open-AgentRL-Eval: the options are in the problem text already
+        letter = str(need(row, "solution", where)).strip().strip("()").strip().rstrip(".").upper()
+        if not re.fullmatch(r"[A-Z]", letter):
+            raise DataError(where, "solution", f"{row['solution'][:40]!r} is not an option letter")
+        problem, domain = need(row, "problem", where), need(row, "domain", where)
+    return {"prompt": prompts.gpqa(problem, domain), "answer": letter, "kind": "choice"}
+
+
+def convert_lcb(row, where):
+    gt = json_field(ground_truth(row, where), where, "reward_model.ground_truth")
+    if not isinstance(gt, dict) or "inputs" not in gt:
+        raise DataError(where, "reward_model.ground_truth", "expected an object with inputs and outputs")
+    tests = code_tests(gt, where)
+    return {"prompt": prompts.lcb(need(row, "problem", where), gt["inputs"], gt["outputs"]),
+            "answer": None, "kind": "code", "tests": tests}
+
+
+def convert_lcb_raw(row, where, window=LCB_WINDOW):
+    """A livecodebench/code_generation_lite row; None when its contest lies outside the window."""
+    day = row.get("contest_date")  # ISO text in the real files; a datetime when pyarrow made it one
+    try:
+        day = day if isinstance(day, datetime.datetime) else datetime.datetime.fromisoformat(str(day).strip())
+    except ValueError:
+        raise DataError(where, "contest_date", f"{str(day)[:40]!r} is not an ISO date")
+    if not window[0] <= day.date() <= window[1]:
+        return None
+    public, k1 = lcb_tests(row.get("public_test_cases"), where, "public_test_cases")
+    private, k2 = lcb_tests(row.get("private_test_cases"), where, "private_test_cases")
+    if not public + private:
+        raise DataError(where, "public_test_cases", "no test cases")
+    fn = None
+    if "functional" in k1 | k2:
+        fn = (json_field(row.get("metadata") or "{}", where, "metadata") or {}).get("func_name")
+        if not isinstance(fn, str) or not fn:
+            raise DataError(where, "metadata.func_name", "missing for a functional problem")
+    # upstream has no map for raw rows: map_lcb's template, the public tests as its examples
+    prompt = prompts.lcb(need(row, "question_content", where), [c["input"] for c in public],
+                         [c["output"] for c in public])
+    rec = {"prompt": prompt, "answer": None, "kind": "code", "tests": {"fn_name": fn, "cases": public + private},
+           "source": f"livecodebench/{row.get('platform') or 'unknown'}"}
+    return dict(rec, id=row["question_id"]) if row.get("question_id") is not None else rec
+
+
+def convert_eval(row, where, bench, window=LCB_WINDOW):
+    if bench == "lcb" and "question_content" in row:
+        rec = convert_lcb_raw(row, where, window)
     else:
-        pf = first_present(row, ("problem", "question"))
-        if pf is None:
-            raise DataError(where, "problem", "missing (also looked for question, Question)")
-        af = first_present(row, ("solution", "answer"))
-        if af is None:
-            raise DataError(where, "solution", "missing (also looked for answer)")
-        letter = choice_letter(row[af], where, af)
-        prompt = prompts.choice_prompt(need(row, pf, where), None, domain)
-    return {"prompt": prompt, "answer": letter, "kind": "choice",
-            "source": row.get("data_source") or bench, "benchmark": bench}
+        convert = {"aime24": convert_aime, "aime25": convert_aime, "gpqa": convert_gpqa, "lcb": convert_lcb}
+        rec = convert.get(bench, convert_rl)(row, where)  # an unknown benchmark: the verl layout
+    return rec and dict(rec, source=rec.get("source") or row.get("data_source") or bench, benchmark=bench)
 
 
-def convert_lcb_row(row, where, bench):
-    if row.get("question_content") is not None:
-        # raw LiveCodeBench (livecodebench/code_generation_lite)
-        content = need(row, "question_content", where)
-        starter = row.get("starter_code") or ""
-        public, k1 = lcb_cases(decode_lcb_tests(row.get("public_test_cases"), where, "public_test_cases"),
-                               where, "public_test_cases")
-        private, k2 = lcb_cases(decode_lcb_tests(row.get("private_test_cases"), where, "private_test_cases"),
-                                where, "private_test_cases")
-        cases = public + private
-        if not cases:
-            raise DataError(where, "public_test_cases", "no test cases")
-        fn = None
-        if "functional" in k1 | k2:
-            meta = json_field(row.get("metadata") or {}, where, "metadata")
-            fn = meta.get("func_name") if isinstance(meta, dict) else None
-            if not isinstance(fn, str) or not fn:
-                raise DataError(where, "metadata.func_name", "missing for a functional problem")
-        rec = {"prompt": prompts.code_prompt(content, starter), "answer": None, "kind": "code",
-               "source": f"livecodebench/{row.get('platform') or 'unknown'}", "benchmark": bench,
-               "tests": {"fn_name": fn, "cases": cases}}
-        if row.get("question_id") is not None:
-            rec["id"] = row["question_id"]
-        return rec
-    # Open-AgentRL-Eval layout: problem text + verl reward_model
-    pf = first_present(row, ("problem", "question"))
-    if pf is not None:
-        problem = need(row, pf, where)
-    else:
-        problem = verl_user_text(row, where)
-    extra = json_field(row.get("extra_info") or {}, where, "extra_info")
-    starter = extra.get("starter_code") if isinstance(extra, dict) else None
-    tests = tests_from_ground_truth(reward_ground_truth(row, where), where)
-    return {"prompt": prompts.code_prompt(problem, starter), "answer": None, "kind": "code",
-            "source": row.get("data_source") or bench, "benchmark": bench, "tests": tests}
-
-
-def convert_eval_row(row, where, bench):
-    if bench in ("aime24", "aime25"):
-        return convert_aime_row(row, where, bench)
-    if bench == "gpqa":
-        return convert_gpqa_row(row, where, bench)
-    if bench == "lcb":
-        return convert_lcb_row(row, where, bench)
-    rec = convert_rl_row(row, where)  # an unknown benchmark in verl layout
-    rec["benchmark"] = bench
-    return rec
-
-
-# --------------------------------------------------------------------------------------
-# commands
-
-
-def convert_files(files, convert, report):
-    """Run convert(row, where) over every row; DataError stops with its message."""
-    out, skipped = [], Counter()
-    for path in files:
-        for i, row in read_rows(path):
-            where = f"{path}: row {i}"
-            try:
-                rec = convert(row, where, path)
-            except Skip as e:
-                skipped[str(e)] += 1
-                continue
-            except DataError as e:
-                raise SystemExit(str(e))
-            out.append(rec)
-    for why, n in skipped.items():
-        report(f"  skipped {n} rows: {why}")
-    return out
+# commands -----------------------------------------------------------------------------
+def convert_files(source, convert):
+    """convert(row, where, path relative to the root) over every row; a DataError stops the run."""
+    root, files = resolve_files(source)
+    try:
+        return [convert(row, f"{path}: row {i}", os.path.relpath(path, root)) for path in files
+                for i, row in read_rows(path)]
+    except DataError as e:
+        raise SystemExit(str(e))
 
 
 def prepare_sft(source, out_dir, report=print):
-    files = resolve_files(source)
-    recs = convert_files(files, lambda row, where, path: convert_sft_row(row, where), report)
     path = os.path.join(out_dir, "sft.jsonl")
-    write_jsonl(path, recs)
+    write_jsonl(path, recs := convert_files(source, lambda row, where, rel: convert_sft(row, where)))
     report(f"wrote {len(recs)} SFT conversations to {path}")
     return path
 
 
 def prepare_rl(source, out_dir, report=print):
-    files = resolve_files(source)
-    recs = convert_files(files, lambda row, where, path: convert_rl_row(row, where), report)
     path = os.path.join(out_dir, "rl.jsonl")
-    write_jsonl(path, recs)
-    kinds = Counter(f"{r['kind']}/{r['source']}" for r in recs)
-    report(f"wrote {len(recs)} RL problems to {path} (" + ", ".join(f"{k} {v}" for k, v in sorted(kinds.items())) + ")")
+    write_jsonl(path, recs := convert_files(source, lambda row, where, rel: convert_rl(row, where)))
+    kinds = sorted(Counter(f"{r['kind']}/{r['source']}" for r in recs).items())
+    report(f"wrote {len(recs)} RL problems to {path} (" + ", ".join(f"{k} {n}" for k, n in kinds) + ")")
     return path
 
 
-def eval_benchmark_of(path, row, root):
-    """The benchmark a row belongs to: folder and file names first (Open-AgentRL-Eval has
-    aime2024/, gpqa-diamond/, ...), then the row's shape (raw LiveCodeBench or GPQA), then
-    its data_source."""
-    rel = os.path.relpath(path, root) if root else path
-    parts = rel.replace("\\", "/").split("/")
-    if root:
-        parts = [os.path.basename(os.path.normpath(root))] + parts
-    for part in reversed(parts):
-        b = benchmark_name(part)
-        if b:
-            return b
-    if "question_content" in row:  # raw LiveCodeBench, whatever the file is called
-        return "lcb"
-    if "Correct Answer" in row:    # raw GPQA
-        return "gpqa"
-    if row.get("data_source"):
-        b = benchmark_name(row["data_source"])
-        if b:
-            return b
-        return re.sub(r"[^a-z0-9_]+", "_", str(row["data_source"]).lower()).strip("_") or "other"
-    return re.sub(r"[^a-z0-9_]+", "_", os.path.splitext(os.path.basename(path))[0].lower()).strip("_")
-
-
-def prepare_eval(source, out_dir, report=print):
-    files = resolve_files(source)
-    root = source if os.path.isdir(source) else (os.path.dirname(files[0]) if len(files) > 1 else None)
-    by_bench = {}
-
-    def convert(row, where, path):
-        bench = eval_benchmark_of(path, row, root)
-        rec = convert_eval_row(row, where, bench)
-        by_bench.setdefault(bench, []).append(rec)
-        return rec
-
-    convert_files(files, convert, report)
+def prepare_eval(source, out_dir, report=print, lcb_start=LCB_WINDOW[0], lcb_end=LCB_WINDOW[1]):
+    recs = convert_files(source, lambda row, where, rel: convert_eval(row, where, benchmark_of(rel, row),
+                                                                      (lcb_start, lcb_end)))
+    if None in recs:
+        report(f"dropped {recs.count(None)} LiveCodeBench rows dated outside {lcb_start} .. {lcb_end}")
     paths = {}
-    for bench, recs in sorted(by_bench.items()):
-        path = os.path.join(out_dir, "eval", f"{bench}.jsonl")
-        write_jsonl(path, recs)
-        paths[bench] = path
-        report(f"wrote {len(recs)} {bench} problems to {path}")
+    for bench in sorted({r["benchmark"] for r in recs if r}):
+        paths[bench] = os.path.join(out_dir, "eval", f"{bench}.jsonl")
+        write_jsonl(paths[bench], rows := [r for r in recs if r and r["benchmark"] == bench])
+        report(f"wrote {len(rows)} {bench} problems to {paths[bench]}")
     return paths
-
-
-# --------------------------------------------------------------------------------------
-# model-aware filtering
-
-
-def difficulty(pass_rate):
-    if pass_rate >= 0.75:
-        return "easy"
-    if pass_rate <= 0.25:
-        return "hard"
-    return "medium"
-
-
-def problem_key(index, problem):
-    """Stable across reruns; a changed data file gives new keys instead of stale results."""
-    return f"{index}:{hashlib.sha1(problem['prompt'].encode()).hexdigest()[:12]}"
-
-
-def filter_problems(model, tokenizer, problems, results_path, k=8, batch=16,
-                    temperature=1.0, top_p=1.0, max_response_tokens=20480, max_turns=16,
-                    code_timeout=6.0, seed=0, report=print, progress=True):
-    """Sample k trajectories per problem, append {key, pass_rate, ...} per problem to
-    results_path, skipping problems already recorded there. Returns key -> result."""
-    import rollout
-    import sandbox
-    from tqdm import tqdm
-    import evaluate
-
-    done = {}
-    if os.path.exists(results_path):
-        with open(results_path, encoding="utf-8") as f:
-            for line in f:
-                try:
-                    r = json.loads(line)
-                except json.JSONDecodeError:
-                    continue  # a line torn by a kill; that problem is simply redone
-                done[r["key"]] = r
-    keyed = [(problem_key(i, p), p) for i, p in enumerate(problems)]
-    todo = [(key, p) for key, p in keyed if key not in done]
-    report(f"filter: {len(keyed) - len(todo)} problems already scored, {len(todo)} to go")
-    cfg = rollout.RolloutConfig(n=k, temperature=temperature, top_p=top_p,
-                                max_response_tokens=max_response_tokens, max_turns=max_turns)
-    os.makedirs(os.path.dirname(os.path.abspath(results_path)), exist_ok=True)
-    with open(results_path, "a", encoding="utf-8") as f, \
-            tqdm(total=len(todo), desc="filter", unit="problem", disable=not progress) as bar:
-        for start in range(0, len(todo), batch):
-            chunk = todo[start:start + batch]
-            cfg.seed = (seed * 1_000_003 + zlib.crc32(chunk[0][0].encode())) % 2**31
-            trajs = rollout.rollout(model, tokenizer, [p for _, p in chunk], cfg, sandbox=sandbox)
-            scores = [[] for _ in chunk]
-            for t in trajs:
-                scores[t.problem_index].append(evaluate.score(chunk[t.problem_index][1], t.text, code_timeout))
-            lines = []
-            for (key, p), s in zip(chunk, scores):
-                solved = sum(1 for x in s if x >= 1.0)
-                r = {"key": key, "pass_rate": solved / len(s) if s else 0.0, "solved": solved,
-                     "samples": len(s), "scores": s}
-                done[key] = r
-                lines.append(json.dumps(r) + "\n")
-            f.write("".join(lines))
-            f.flush()
-            os.fsync(f.fileno())
-            bar.update(len(chunk))
-    return {key: done[key] for key, _ in keyed}
-
-
-def write_filtered(problems, results, out_path, k, report=print):
-    """Keep problems solved sometimes but not always; tag difficulty; histogram."""
-    kept, hist = [], Counter()
-    rates = Counter()
-    for i, p in enumerate(problems):
-        r = results[problem_key(i, p)]
-        rate = r["pass_rate"]
-        rates[f"{r['solved']}/{r['samples']}"] += 1
-        if r["solved"] == 0:
-            hist["dropped_never_solved"] += 1
-            continue
-        if r["solved"] == r["samples"]:
-            hist["dropped_always_solved"] += 1
-            continue
-        tag = difficulty(rate)
-        hist[tag] += 1
-        kept.append(dict(p, pass_rate=rate, difficulty=tag))
-    write_jsonl(out_path, kept)
-    histogram = {"problems": len(problems), "kept": len(kept), "k": k,
-                 "difficulty": {t: hist[t] for t in ("easy", "medium", "hard",
-                                                     "dropped_always_solved", "dropped_never_solved")},
-                 "solved_of_k": dict(sorted(rates.items(), key=lambda kv: int(kv[0].split("/")[0])))}
-    with open(out_path + ".hist.json", "w", encoding="utf-8") as f:
-        json.dump(histogram, f, indent=2)
-    width = max(histogram["difficulty"].values()) or 1
-    report(f"kept {len(kept)} of {len(problems)} problems -> {out_path}")
-    for t, n in histogram["difficulty"].items():
-        report(f"  {t:>22} {n:6d} " + "#" * round(40 * n / width))
-    return histogram
-
-
-def filter_command(args, report=print):
-    import evaluate
-    problems = evaluate.load_jsonl(args.data)
-    if args.limit:
-        problems = problems[: args.limit]
-    model, tokenizer = evaluate.load_checkpoint(args.model)
-    results = filter_problems(model, tokenizer, problems, args.out + ".results.jsonl", k=args.k,
-                              batch=args.batch, temperature=args.temperature, top_p=args.top_p,
-                              max_response_tokens=args.max_response_tokens,
-                              max_turns=args.max_turns, seed=args.seed, report=report)
-    return write_filtered(problems, results, args.out, args.k, report)
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = ap.add_subparsers(dest="command", required=True)
-    for name in ("sft", "rl", "eval", "all"):
-        p = sub.add_parser(name, help=f"convert {HUB.get(name, 'all three datasets')}")
-        p.add_argument("--out", default="data", help="output directory (default: data)")
-        if name != "all":
-            p.add_argument("--source", default=HUB[name],
-                           help=f"hub dataset id, local directory or file (default: {HUB[name]})")
-    p = sub.add_parser("filter", help="model-aware filtering of RL problems")
-    p.add_argument("--model", required=True, help="checkpoint directory")
-    p.add_argument("--data", required=True, help="project-format RL jsonl")
-    p.add_argument("--out", required=True, help="filtered jsonl to write")
-    p.add_argument("--k", type=int, default=8, help="samples per problem (paper: 8)")
-    p.add_argument("--batch", type=int, default=16, help="problems per rollout call")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--max-response-tokens", type=int, default=20480)
-    p.add_argument("--max-turns", type=int, default=16)
-    p.add_argument("--limit", type=int, default=0, help="first N problems only")
-    p.add_argument("--seed", type=int, default=0)
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("command", choices=["sft", "rl", "eval", "all"], help="the dataset to convert")
+    ap.add_argument("--source", help="hub dataset id, local directory or file (none: the command's "
+                    "dataset: " + ", ".join(f"{k} {v}" for k, v in HUB.items()) + ")")
+    ap.add_argument("--out", default="data", help="output directory")
+    ap.add_argument("--lcb_start", type=datetime.date.fromisoformat, default=LCB_WINDOW[0],
+                    help="first contest day kept from raw code_generation_lite rows")
+    ap.add_argument("--lcb_end", type=datetime.date.fromisoformat, default=LCB_WINDOW[1],
+                    help="last contest day kept (inclusive)")
     args = ap.parse_args(argv)
-
-    if args.command == "filter":
-        filter_command(args)
-    elif args.command == "all":
-        prepare_sft(HUB["sft"], args.out)
-        prepare_rl(HUB["rl"], args.out)
-        prepare_eval(HUB["eval"], args.out)
-    else:
-        {"sft": prepare_sft, "rl": prepare_rl, "eval": prepare_eval}[args.command](args.source, args.out)
+    if args.command == "all" and args.source:
+        ap.error("'all' reads the three hub datasets; convert a local copy one command at a time")
+    for name in ("sft", "rl", "eval") if args.command == "all" else (args.command,):
+        if name == "eval":
+            prepare_eval(args.source or HUB[name], args.out, lcb_start=args.lcb_start, lcb_end=args.lcb_end)
+        else:
+            (prepare_sft if name == "sft" else prepare_rl)(args.source or HUB[name], args.out)
 
 
 if __name__ == "__main__":

@@ -1,111 +1,53 @@
-"""Prompt templates: how a problem is put to the model.
+"""The prompt texts DemyAgent-4B and Qwen3-4B-RA-SFT were trained and evaluated with.
 
-The wording is the project's own; the instructions are the paper's (Open-AgentRL's
-reward.py prompts): analyse step by step before computing, use the code tool for exact
-computation and checking, stop calling the tool once sure, and give the final answer in a
-fixed place the grader looks at:
-  math            -> \\boxed{value}, no units inside the box
-  multiple choice -> \\boxed{LETTER}, the uppercase letter of the option
-  code            -> one ```python block with the complete program
+Every string is upstream's, character for character (typos such as "sumbit" and the stray
+quote after "# YOUR CODE HERE" included): they are data the checkpoints saw. Source:
+Gen-Verse/Open-AgentRL, recipe/demystify/reward.py, read from the public copy
+Tianshi-Xu/Open-AgentRL at commit 627a2844 (the same text stands in three other public
+copies of the file). That fork's later commit 1f781221 rewrote math_prompt_1,
+math_prompt_2 and agent_prompt and reordered them; no other copy has that text, so it is
+taken as the fork's own experiment, not what the released checkpoints saw.
 
-The prompt is the whole user message; rollout.py renders it with the chat template and the
-code_interpreter tool schema, and adds no system prompt.
-
-Two kinds of callers:
-  - raw problems (AIME, GPQA, LiveCodeBench) go through math_prompt / choice_prompt /
-    code_prompt, which wrap the bare problem text;
-  - the RL rows of Open-AgentRL-30K already carry a task instruction in their user message,
-    so prepare.py keeps that message and appends UNITS_SUFFIX (math) or CODE_SUFFIX (code),
-    as the paper's repository does, instead of wrapping it a second time.
+The builders follow CustomRLHFDataset's map functions; each names the one it follows.
+rollout.py renders the result as the user turn (a row's system turn stays a system turn).
 """
 
-TOOL_NOTE = (
-    "You can run Python with the code interpreter tool. Use it when it helps: for exact "
-    "arithmetic, for calculations too long to do by hand, and to check intermediate steps "
-    "or your final result. Do not call it for things you can simply reason out."
-)
+# module-level constants of reward.py (same names there)
+answer_format = "\nRemember once you make sure the current answer is your final answer, do not call the tools again and directly output the final answer in the following text format, the answer format must be: \\boxed{'The final answer goes here.'}."
+math_prompt_1 = "Analyze and solve the following math problem step by step. \n\n"
+math_prompt_2 = "\n\nThe tool could be used for more precise and efficient calculation and could help you to verify your result before you reach the final answer."
+agent_prompt = "\n\n**Note: You should first analyze the problem and form a high-level solution strategy, then utilize the tools to help you solve the problem.**"
 
-FINAL_BOX = (
-    "When you are sure of the final answer, stop calling the tool and write the answer "
-    "as \\boxed{...}."
-)
-
-NO_UNITS = (
-    "Put only the final value inside \\boxed{}: no units and no explanation."
-)
-
-MATH_SUFFIX = "\n\n" + TOOL_NOTE + "\n" + FINAL_BOX + " " + NO_UNITS
-
-# For RL rows whose message already asks for tool use and a boxed answer (the math_dapo
-# and mega-science rows of Open-AgentRL-30K): only the reminder about units is added.
-UNITS_SUFFIX = "\n" + NO_UNITS
-
-CODE_FINAL = (
-    "Before you submit, you may use the code tool to run your code on small tests you "
-    "write yourself. When you are confident that it is correct, stop calling the tool and "
-    "give your complete solution in one block:\n```python\n# your code\n```"
-)
-
-CODE_SUFFIX = "\n\n" + TOOL_NOTE + "\n" + CODE_FINAL
+GPQA_START = "Analyze and solve the following {domain} problem step by step. \n\n"  # map_fn_gpqa prompt_1
+GPQA_LETTER = "\n Here you need to put the final uppercase letter option of this problem into \\boxed{}"  # map_fn_gpqa
+LCB_START = "You will be given a question (problem specification) and will generate a correct Python program that matches the specification and passes all tests.\n\n"  # map_lcb start_prompt
+LCB_CODE = "\n\nRead the inputs from stdin solve the problem and write the answer to stdout (do not directly test on the sample inputs). Enclose your code within delimiters as follows. Ensure that when the python program runs, it reads the inputs, runs the algorithm and writes output to STDOUT.\n```python\n# YOUR CODE HERE\n\""  # map_lcb code_prompt
+LCB_EXAMPLES = "\nHere are some input and output examples of the expected code:\nInput:"  # map_lcb public_examples
+SUBMIT_CODE = "\nBefore sumbit your code, you can utilize tools to check the correctness of your code, once you make sure the current code is correct, do not call the tools again and submit your code within ```python\n# YOUR CODE HERE\n```."  # map_lcb, map_fn_skywork
+UNITS_DAPO = "\nDo not put units of the final answer inside \\boxed{}. The content of \\boxed{} should be the numerical value of the final answer only, without any units."  # map_fn2
+UNITS_SKYWORK = "\nDo not put units of the final answer inside \\boxed{}. The content of \\boxed{} should be the final numerical value of the final answer only, without any units."  # map_fn_skywork, math rows
 
 
-def math_prompt(problem):
-    return (
-        "Solve the following math problem. Work through it step by step and explain your "
-        "reasoning before you calculate anything.\n\n"
-        + problem.strip()
-        + MATH_SUFFIX
-    )
+def aime(problem):
+    """map_fn (AIME 2024 / 2025)."""
+    return math_prompt_1 + problem + math_prompt_2 + agent_prompt + answer_format
 
 
-def format_choices(choices):
-    """['x', 'y'] -> '(A) x\\n(B) y'"""
-    return "\n".join(f"({chr(ord('A') + i)}) {str(c).strip()}" for i, c in enumerate(choices))
+def gpqa(problem, domain):
+    """map_fn_gpqa; the options are written into `problem` as "(A) ...\\n(B) ..."."""
+    return GPQA_START.format(domain=domain) + problem + math_prompt_2 + agent_prompt + answer_format + GPQA_LETTER
 
 
-def choice_prompt(problem, choices=None, domain=None):
-    """A multiple-choice question; `choices` is None when the options are already written
-    into the problem text (as in Open-AgentRL-Eval's GPQA file)."""
-    subject = f"{domain} " if domain else ""
-    body = problem.strip()
-    if choices:
-        body += "\n\n" + format_choices(choices)
-    return (
-        f"Answer the following {subject}multiple-choice question. Work through it step by "
-        "step and explain your reasoning before you calculate anything.\n\n"
-        + body
-        + "\n\n" + TOOL_NOTE + "\n" + FINAL_BOX
-        + " Inside the box put only the uppercase letter of the correct option, for "
-        "example \\boxed{A}."
-    )
+def lcb(problem, inputs, outputs):
+    """map_lcb; the examples are Python's str() of the two lists, as upstream prints them."""
+    examples = LCB_EXAMPLES + str(inputs) + "\nOutput:\n" + str(outputs)
+    return LCB_START + problem + examples + agent_prompt + LCB_CODE + SUBMIT_CODE
 
 
-def code_prompt(problem, starter_code=None):
-    """A programming problem. With starter code (LiveCodeBench 'functional' problems) the
-    model completes the given class or function; without, it writes a stdin/stdout program."""
-    text = (
-        "Write a Python program that solves the problem below and passes all of its "
-        "tests.\n\n" + problem.strip() + "\n\n"
-    )
-    if starter_code and starter_code.strip():
-        text += (
-            "Complete this starter code; keep the class and method names and the "
-            "signature:\n```python\n" + starter_code.strip() + "\n```\n"
-        )
-    else:
-        text += (
-            "Your program reads the input from standard input and writes the answer to "
-            "standard output. Do not hard-code the sample inputs.\n"
-        )
-    return text + "\n" + TOOL_NOTE + "\n" + CODE_FINAL
-
-
-def prompt_for(kind, problem, **kw):
-    """Dispatch on the project's problem kinds."""
-    if kind == "math":
-        return math_prompt(problem)
-    if kind == "choice":
-        return choice_prompt(problem, kw.get("choices"), kw.get("domain"))
-    if kind == "code":
-        return code_prompt(problem, kw.get("starter_code"))
-    raise ValueError(f"unknown problem kind {kind!r} (expected math, choice or code)")
+def rl(content, data_source):
+    """An Open-AgentRL-30K user turn: map_fn2 for math_dapo / mega-science, else map_fn_skywork."""
+    if data_source in ("math_dapo", "mega-science"):
+        return content + UNITS_DAPO
+    if "code" in data_source:
+        return content + agent_prompt + SUBMIT_CODE
+    return math_prompt_1 + content + math_prompt_2 + agent_prompt + answer_format + UNITS_SKYWORK
