@@ -6,15 +6,13 @@
     python data/prepare.py all  --out data   # all three
     python data/prepare.py eval --source code_generation_lite/test6.jsonl --lcb_start 2025-02-01
 
---source is a hub dataset id (downloaded with huggingface_hub, optional) or a local directory or
-file of .parquet (needs pyarrow, optional), .jsonl or .json rows. Eval also reads raw GPQA
-(Question / Correct Answer / Incorrect Answer 1-3, options shuffled with a seed fixed by the
-question) and raw livecodebench/code_generation_lite rows (private tests: base64 of zlib of a
-pickle, read by an unpickler that builds plain data only) whose contest_date lies in the
-paper's v6 window, 2025-02-01 .. 2025-05-31 inclusive (--lcb_start / --lcb_end).
-
-Prompts are upstream's (data/prompts.py); a 30K row's system turn stays a system message.
-A malformed row stops the run with one line: file, row number (from 1), field, what is wrong.
+--source: a hub dataset id (huggingface_hub, optional) or a local directory or file of .parquet
+(pyarrow, optional), .jsonl or .json rows. Eval also reads raw GPQA (options shuffled with a seed
+fixed by the question) and raw livecodebench/code_generation_lite rows (private tests: base64 of
+zlib of a pickle, read by an unpickler that builds plain data only) dated in the paper's v6
+window, 2025-02-01 .. 2025-05-31 inclusive. Prompts are upstream's (data/prompts.py); a 30K
+row's system turn stays a system message. A malformed row stops the run with one line: file,
+row number (from 1), field and what is wrong.
 Departure: each 30K row gets the prompt of its own data_source; upstream picks one map
 function per parquet file, by the data_source of the file's first row.
 """
@@ -40,15 +38,15 @@ HUB = {"sft": "Gen-Verse/Open-AgentRL-SFT-3K", "rl": "Gen-Verse/Open-AgentRL-30K
 ROW_FILES = (".parquet", ".jsonl", ".json")
 MAX_DECOMPRESSED = 1 << 30  # LiveCodeBench's largest test blobs are far below 1 GiB
 LCB_WINDOW = (datetime.date(2025, 2, 1), datetime.date(2025, 5, 31))  # the paper's LiveCodeBench v6 slice
-ROLES = ("system", "user", "assistant", "tool")
+BENCHMARKS = (("aime24", "aime(20)?24"), ("aime25", "aime(20)?25"), ("gpqa", "gpqa"),
+              ("lcb", "livecodebench|lcb|codegenerationlite"))
 
 
-class DataError(Exception):
+class DataError(SystemExit):  # a malformed row stops the run with this one line
     def __init__(self, where, field, what):
         super().__init__(f"{where}: field '{field}': {what}")
 
 
-# files --------------------------------------------------------------------------------
 def resolve_files(source):
     """(root, files): a local file, the row files under a local directory or a hub dataset."""
     if os.path.isfile(source):
@@ -64,17 +62,17 @@ def resolve_files(source):
 
 
 def download(repo_id):
-    if not re.fullmatch(r"[\w.-]+/[\w.-]+", repo_id) or repo_id.startswith("."):
+    if not re.fullmatch(r"[\w-]+/[\w.-]+", repo_id):
         raise SystemExit(f"{repo_id}: no such file or directory")
     try:
         from huggingface_hub import snapshot_download
+        return snapshot_download(repo_id=repo_id, repo_type="dataset", allow_patterns=["*" + e for e in ROW_FILES])
     except ImportError:
         raise SystemExit("downloading needs huggingface_hub (pip install huggingface_hub), or pass --source DIR")
-    try:
-        return snapshot_download(repo_id=repo_id, repo_type="dataset", allow_patterns=["*" + e for e in ROW_FILES])
     except Exception as e:
-        raise SystemExit(f"could not download {repo_id} from the Hugging Face hub ({type(e).__name__}: "
-                         f"{str(e).splitlines()[0] if str(e) else ''}); download it elsewhere and pass --source DIR")
+        first_line = str(e).splitlines()[0] if str(e) else ""
+        raise SystemExit(f"could not download {repo_id} from the Hugging Face hub ({type(e).__name__}: {first_line}); "
+                         "download it elsewhere and pass --source DIR")
 
 
 def read_rows(path):
@@ -121,7 +119,6 @@ def write_jsonl(path, records):
     os.replace(path + ".tmp", path)
 
 
-# fields -------------------------------------------------------------------------------
 def need(row, name, where, types=str):
     if row.get(name) is None:
         raise DataError(where, name, "missing")
@@ -145,17 +142,6 @@ def drop_none(x):
     return [drop_none(v) for v in x] if isinstance(x, list) else x
 
 
-def check_plain(x, where, field):
-    """JSON-like data only: a tuple, set, bytes or non-string key does not survive a JSON round trip."""
-    try:
-        plain = json.loads(json.dumps(x)) == x
-    except (TypeError, ValueError, RecursionError):
-        plain = False
-    if not plain:
-        raise DataError(where, field, f"holds a {type(x).__name__} that is not JSON data: only plain data is allowed")
-
-
-# code tests ---------------------------------------------------------------------------
 class PlainUnpickler(pickle.Unpickler):
     """Refuses every class or function reference, the way a pickle runs code: only what the
     opcodes build by themselves (str, bytes, numbers, lists, dicts, ...) comes out."""
@@ -173,10 +159,14 @@ def lcb_tests(value, where, field):
             items = json.loads(items)
         except json.JSONDecodeError:
             items = json_field(unpickle_blob(items, where, field), where, field)
-    check_plain(items, where, field)
-    if not isinstance(items, list) or not all(isinstance(c, dict) and isinstance(c.get("input"), str)
-                                              and isinstance(c.get("output"), str) for c in items):
-        raise DataError(where, field, "expected a list of {'input': str, 'output': str, 'testtype': ...}")
+    try:  # plain data only: a tuple, set, bytes or non-string key does not survive a JSON round trip
+        plain = json.loads(json.dumps(items)) == items
+    except (TypeError, ValueError, RecursionError):
+        plain = False
+    if not plain or not isinstance(items, list) or not all(isinstance(c, dict) and isinstance(c.get("input"), str)
+                                                           and isinstance(c.get("output"), str) for c in items):
+        raise DataError(where, field, "expected a list of {'input': str, 'output': str, 'testtype': ...}, "
+                        "only plain data is allowed")
     return [{"input": c["input"], "output": c["output"]} for c in items], {c.get("testtype") for c in items}
 
 
@@ -195,11 +185,6 @@ def unpickle_blob(value, where, field):
 def code_tests(gt, where, field="reward_model.ground_truth"):
     """verl code ground truth -> the three test shapes of CONTRACTS.md."""
     gt = json_field(gt, where, field)
-    if isinstance(gt, list):  # a LiveCodeBench test list
-        cases, kinds = lcb_tests(gt, where, field)
-        if "functional" in kinds:
-            raise DataError(where, field, "functional tests without a function name")
-        return {"fn_name": None, "cases": cases}
     if not isinstance(gt, dict):
         raise DataError(where, field, f"expected an object, got {type(gt).__name__}")
     if "inputs" not in gt and {"test_code", "entry_point", "import_prefix"} & gt.keys():
@@ -213,13 +198,10 @@ def code_tests(gt, where, field="reward_model.ground_truth"):
     if not isinstance(ins, list) or not isinstance(outs, list) or not ins or len(ins) != len(outs):
         raise DataError(where, field, "needs lists 'inputs' and 'outputs' of one non-zero length")
     if fn is None:  # stdin programs; a list of lines is one text
-        cases = [{"input": "\n".join(map(str, i)) if isinstance(i, list) else i,
-                  "output": "\n".join(map(str, o)) if isinstance(o, list) else o} for i, o in zip(ins, outs)]
-        if not all(isinstance(c["input"], str) and isinstance(c["output"], str) for c in cases):
+        ins, outs = [["\n".join(map(str, x)) if isinstance(x, list) else x for x in xs] for xs in (ins, outs)]
+        if not all(isinstance(x, str) for x in ins + outs):
             raise DataError(where, field + ".inputs", "stdin tests need text inputs and outputs")
-        return {"fn_name": None, "cases": cases}
-    if not isinstance(fn, str):
-        raise DataError(where, field + ".fn_name", "not a string")
+        return {"fn_name": None, "cases": [{"input": i, "output": o} for i, o in zip(ins, outs)]}
     if all(isinstance(i, str) for i in ins):  # LiveCodeBench style: one JSON argument a line already
         return {"fn_name": fn, "cases": [{"input": i, "output": o if isinstance(o, str) else json.dumps(o)}
                                          for i, o in zip(ins, outs)]}
@@ -230,7 +212,6 @@ def code_tests(gt, where, field="reward_model.ground_truth"):
         {"input": "\n".join(json.dumps(a) for a in i), "output": json.dumps(o)} for i, o in zip(ins, outs)]}
 
 
-# SFT-3K and RL-30K --------------------------------------------------------------------
 def convert_sft(row, where):
     msgs = json_field(need(row, "messages", where, (list, str)), where, "messages")
     if not isinstance(msgs, list) or not msgs:
@@ -238,14 +219,12 @@ def convert_sft(row, where):
     out = []
     for j, m in enumerate(msgs):
         f = f"messages[{j}]"
-        if not isinstance(m, dict) or m.get("role") not in ROLES:
-            raise DataError(where, f + ".role", f"not one of {', '.join(ROLES)}")
+        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool"):
+            raise DataError(where, f + ".role", "not one of system, user, assistant, tool")
         if not isinstance(m.get("content") or "", str):
             raise DataError(where, f + ".content", "not a string")
         msg = {"role": m["role"], "content": m.get("content") or ""}
         calls = json_field(m.get("tool_calls"), where, f + ".tool_calls")
-        if calls and m["role"] != "assistant":
-            raise DataError(where, f + ".tool_calls", f"only assistant messages call tools, not {m['role']}")
         if calls:
             msg["tool_calls"] = [tool_call(c, where, f"{f}.tool_calls[{k}]") for k, c in enumerate(calls)]
         out.append(dict(msg, **{k: m[k] for k in ("name", "tool_call_id") if isinstance(m.get(k), str) and m[k]}))
@@ -259,7 +238,7 @@ def convert_sft(row, where):
 
 def tool_call(c, where, field):
     """An OpenAI tool call, its arguments as a dict (the SFT file has them as JSON text)."""
-    fn = c.get("function") if isinstance(c, dict) and isinstance(c.get("function"), dict) else c
+    fn = c.get("function") if isinstance(c, dict) else None
     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
         raise DataError(where, field + ".function.name", "missing")
     args = json_field(fn.get("arguments"), where, field + ".function.arguments")
@@ -302,7 +281,6 @@ def convert_rl(row, where):
     return rec
 
 
-# Eval ---------------------------------------------------------------------------------
 def benchmark_of(rel, row):
     """aime24 | aime25 | gpqa | lcb, from the raw layouts, the folder and file names (Open-AgentRL-Eval
     has aime2024/, gpqa-diamond/, ...) or data_source; else a name made from data_source."""
@@ -310,9 +288,8 @@ def benchmark_of(rel, row):
         return "lcb" if "question_content" in row else "gpqa"
     for part in re.split(r"[\\/]", rel)[::-1] + [str(row.get("data_source") or "")]:
         t = re.sub(r"[^a-z0-9]", "", part.lower())
-        for name, keys in (("aime24", ("aime2024", "aime24")), ("aime25", ("aime2025", "aime25")),
-                           ("gpqa", ("gpqa",)), ("lcb", ("livecodebench", "lcb", "codegenerationlite"))):
-            if any(k in t for k in keys):
+        for name, pattern in BENCHMARKS:
+            if re.search(pattern, t):
                 return name
     name = str(row.get("data_source") or os.path.splitext(os.path.basename(rel))[0]).lower()
     return re.sub(r"[^a-z0-9_]+", "_", name).strip("_") or "other"
@@ -391,15 +368,11 @@ def convert_eval(row, where, bench, window=LCB_WINDOW):
     return rec and dict(rec, source=rec.get("source") or row.get("data_source") or bench, benchmark=bench)
 
 
-# commands -----------------------------------------------------------------------------
 def convert_files(source, convert):
-    """convert(row, where, path relative to the root) over every row; a DataError stops the run."""
+    """convert(row, where, path relative to the root) over every row of every file."""
     root, files = resolve_files(source)
-    try:
-        return [convert(row, f"{path}: row {i}", os.path.relpath(path, root)) for path in files
-                for i, row in read_rows(path)]
-    except DataError as e:
-        raise SystemExit(str(e))
+    return [convert(row, f"{path}: row {i}", os.path.relpath(path, root))
+            for path in files for i, row in read_rows(path)]
 
 
 def prepare_sft(source, out_dir, report=print):
@@ -445,10 +418,8 @@ def main(argv=None):
     if args.command == "all" and args.source:
         ap.error("'all' reads the three hub datasets; convert a local copy one command at a time")
     for name in ("sft", "rl", "eval") if args.command == "all" else (args.command,):
-        if name == "eval":
-            prepare_eval(args.source or HUB[name], args.out, lcb_start=args.lcb_start, lcb_end=args.lcb_end)
-        else:
-            (prepare_sft if name == "sft" else prepare_rl)(args.source or HUB[name], args.out)
+        window = {"lcb_start": args.lcb_start, "lcb_end": args.lcb_end} if name == "eval" else {}
+        {"sft": prepare_sft, "rl": prepare_rl, "eval": prepare_eval}[name](args.source or HUB[name], args.out, **window)
 
 
 if __name__ == "__main__":
