@@ -2,21 +2,21 @@
 
 Every string is upstream's, character for character (typos such as "sumbit" and the stray
 quote after "# YOUR CODE HERE" included): they are data the checkpoints saw. Source:
-Gen-Verse/Open-AgentRL, recipe/demystify/reward.py, read from the public copy
-Tianshi-Xu/Open-AgentRL at commit 627a2844 (the same text stands in three other public
-copies of the file). That fork's later commit 1f781221 rewrote math_prompt_1,
-math_prompt_2 and agent_prompt and reordered them; no other copy has that text, so it is
-taken as the fork's own experiment, not what the released checkpoints saw.
+Gen-Verse/Open-AgentRL, recipe/demystify/reward.py (module constants and the map functions of
+CustomRLHFDataset), read from the public copy Tianshi-Xu/Open-AgentRL at commit 627a2844; the
+same text stands in Blackteaxx/DemyAgent, jianghoucheng/Agent_On_Policy_Distillation and
+wencanning/test-opd. Another commit of Tianshi-Xu's fork (1f781221) has other MATH_1, MATH_2
+and AGENT texts in another order; no other copy has them, so they are taken as that fork's
+own experiment, not what the released checkpoints saw.
 
-The builders follow CustomRLHFDataset's map functions; each names the one it follows.
-rollout.py renders the result as the user turn (a row's system turn stays a system turn).
+Each builder names the map function it follows. rollout.py renders the text as the user turn;
+a row's system turn stays a system turn.
 """
 
-# module-level constants of reward.py (same names there)
-answer_format = "\nRemember once you make sure the current answer is your final answer, do not call the tools again and directly output the final answer in the following text format, the answer format must be: \\boxed{'The final answer goes here.'}."
-math_prompt_1 = "Analyze and solve the following math problem step by step. \n\n"
-math_prompt_2 = "\n\nThe tool could be used for more precise and efficient calculation and could help you to verify your result before you reach the final answer."
-agent_prompt = "\n\n**Note: You should first analyze the problem and form a high-level solution strategy, then utilize the tools to help you solve the problem.**"
+ANSWER_FORMAT = "\nRemember once you make sure the current answer is your final answer, do not call the tools again and directly output the final answer in the following text format, the answer format must be: \\boxed{'The final answer goes here.'}."  # answer_format
+MATH_1 = "Analyze and solve the following math problem step by step. \n\n"  # math_prompt_1
+MATH_2 = "\n\nThe tool could be used for more precise and efficient calculation and could help you to verify your result before you reach the final answer."  # math_prompt_2
+AGENT = "\n\n**Note: You should first analyze the problem and form a high-level solution strategy, then utilize the tools to help you solve the problem.**"  # agent_prompt
 
 GPQA_START = "Analyze and solve the following {domain} problem step by step. \n\n"  # map_fn_gpqa prompt_1
 GPQA_LETTER = "\n Here you need to put the final uppercase letter option of this problem into \\boxed{}"  # map_fn_gpqa
@@ -30,18 +30,18 @@ UNITS_SKYWORK = "\nDo not put units of the final answer inside \\boxed{}. The co
 
 def aime(problem):
     """map_fn (AIME 2024 / 2025)."""
-    return math_prompt_1 + problem + math_prompt_2 + agent_prompt + answer_format
+    return MATH_1 + problem + MATH_2 + AGENT + ANSWER_FORMAT
 
 
 def gpqa(problem, domain):
     """map_fn_gpqa; the options are written into `problem` as "(A) ...\\n(B) ..."."""
-    return GPQA_START.format(domain=domain) + problem + math_prompt_2 + agent_prompt + answer_format + GPQA_LETTER
+    return GPQA_START.format(domain=domain) + problem + MATH_2 + AGENT + ANSWER_FORMAT + GPQA_LETTER
 
 
 def lcb(problem, inputs, outputs):
     """map_lcb; the examples are Python's str() of the two lists, as upstream prints them."""
     examples = LCB_EXAMPLES + str(inputs) + "\nOutput:\n" + str(outputs)
-    return LCB_START + problem + examples + agent_prompt + LCB_CODE + SUBMIT_CODE
+    return LCB_START + problem + examples + AGENT + LCB_CODE + SUBMIT_CODE
 
 
 def rl(content, data_source):
@@ -49,5 +49,5 @@ def rl(content, data_source):
     if data_source in ("math_dapo", "mega-science"):
         return content + UNITS_DAPO
     if "code" in data_source:
-        return content + agent_prompt + SUBMIT_CODE
-    return math_prompt_1 + content + math_prompt_2 + agent_prompt + answer_format + UNITS_SKYWORK
+        return content + AGENT + SUBMIT_CODE
+    return MATH_1 + content + MATH_2 + AGENT + ANSWER_FORMAT + UNITS_SKYWORK
