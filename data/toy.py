@@ -28,6 +28,8 @@ ROOT = "runs/toy"                   # the toy presets of sft.py and rl.py write 
 DATA = os.path.join(ROOT, "data")
 SFT_DATA, TRAIN, HELDOUT = (os.path.join(DATA, f) for f in ("sft.jsonl", "train.jsonl", "heldout.jsonl"))
 SHIPPED_SFT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "toy_sft")
+LIMITS = dict(max_prompt_tokens=512, max_response_tokens=384, max_turns=3)   # toy trajectories are short
+EVAL = dict(n=1, temperature=1.0, top_p=0.6, **LIMITS)   # the paper's sampling, one sample per problem
 
 
 def make_problem(rng, kind, digits=3):

@@ -244,13 +244,15 @@ def test_grade_trajectory_token_counts():
     assert r["call_status"] == ["ok", "timeout"] and r["num_tool_calls"] == 2
 
 
-def test_parse_config():
-    c = evaluate.parse_config(["--n", "4", "--top-p=0.5", "--temperature", "0.7", "--benchmarks=aime24"])
-    assert (c.n, c.top_p, c.temperature, c.benchmarks) == (4, 0.5, 0.7, "aime24")
-    with pytest.raises(SystemExit, match="unknown option --nope"):
+def test_parse_config(capsys):
+    c = evaluate.parse_config(["--n", "4", "--top-p=0.5", "--temperature", "0.7", "--benchmarks=aime24", "--verl_metrics"])
+    assert (c.n, c.top_p, c.temperature, c.benchmarks, c.verl_metrics) == (4, 0.5, 0.7, "aime24", True)
+    with pytest.raises(SystemExit):
         evaluate.parse_config(["--nope=1"])
-    with pytest.raises(SystemExit, match="is not a int"):
+    assert "unrecognized arguments: --nope=1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
         evaluate.parse_config(["--n=many"])
+    assert "invalid int value: 'many'" in capsys.readouterr().err
 
 
 def test_load_problems_limit_and_errors(tmp_path):
@@ -284,6 +286,7 @@ def fake_rollout_module(calls):
         tool_output_chars: int = 256
         tool_timeout: float = 10.0
         tool_memory_mb: int = 1024
+        max_parallel_calls: int = 1
         seed: int = None
 
     @dataclass
@@ -302,7 +305,8 @@ def fake_rollout_module(calls):
         def to_dict(self):
             return asdict(self)
 
-    def rollout(model, tokenizer, problems, config, sandbox=None):
+    def rollout(model, tokenizer, problems, config, sandbox=None, seeds=None):
+        assert seeds is not None and len(seeds) == len(problems)
         calls.append([p["uid"] for p in problems])
         return [Trajectory(i, s, [1, 2], [5, 6, 7, 8], [1, 0, 0, 1], [0.0] * 4,
                            "<tool_call>x</tool_call><tool_response>\n1\n</tool_response>\\boxed{42}",
@@ -336,6 +340,67 @@ def test_evaluate_resumes_from_its_trajectory_file(tmp_path, monkeypatch):
     assert b["tools"]["tool_call_success"] == 1.0
     trajs, s2 = evaluate.evaluate(None, None, problems, cfg, out_dir=out, progress=False)
     assert len(calls) == 4 and s2["benchmarks"] == s["benchmarks"]       # nothing left to do
+
+
+def test_model_aware_filtering_tags_difficulty(tmp_path, monkeypatch):
+    """--filter_out: problem i is solved by the first solved[i] of n = 4 samples; the always and
+    never solved go, the rest are tagged by pass rate, with a histogram beside them."""
+    solved = [0, 1, 2, 3, 4]
+    calls = []
+    fake = fake_rollout_module(calls)
+
+    def rollout(model, tokenizer, problems, config, sandbox=None, seeds=None):
+        calls.append(len(problems))
+        return [fake.Trajectory(pi, si, [1], [2], [1], [0.0], "\\boxed{7}" if si < solved[int(p["prompt"][1:])] else
+                                "\\boxed{8}", [], 1, "stop") for pi, p in enumerate(problems) for si in range(config.n)]
+
+    fake.rollout = rollout
+    monkeypatch.setitem(sys.modules, "rollout", fake)
+    problems = [{"prompt": f"p{i}", "answer": "7", "kind": "math", "source": "t"} for i in range(5)]
+    out = str(tmp_path / "f.jsonl")
+    cfg = evaluate.EvalConfig(n=4, problems_per_batch=2, filter_out=out)
+    records, _ = evaluate.evaluate(None, None, problems[:3], cfg, out_dir=str(tmp_path / "run"), progress=False)
+    records, _ = evaluate.evaluate(None, None, problems, cfg, out_dir=str(tmp_path / "run"), progress=False)
+    assert calls == [2, 1, 2]                                    # resumable: the second pass ran only the rest
+    assert all("response_ids" not in json.loads(l) for l in open(tmp_path / "run" / "trajectories.jsonl"))
+    hist = evaluate.write_filtered(problems, records, out)
+    kept = [json.loads(l) for l in open(out)]
+    assert [(r["prompt"], r["difficulty"], r["pass_rate"]) for r in kept] == \
+        [("p1", "hard", 0.25), ("p2", "medium", 0.5), ("p3", "easy", 0.75)]
+    assert hist["difficulty"] == {"easy": 1, "medium": 1, "hard": 1, "dropped_always_solved": 1,
+                                  "dropped_never_solved": 1}
+    assert json.load(open(out + ".hist.json"))["kept"] == 3
+
+
+def test_verl_bootstrap_metrics():
+    """verl's maj@k/mean and best@k/mean draw k of the n samples with replacement (1,000 times,
+    seed 42), and an empty answer is a vote of its own; ours draw without replacement."""
+    import numpy as np
+    preds, corrects = [None, None, None, "7"], [False, False, False, True]
+    maj, best = evaluate.verl_bootstrap(preds, corrects, 4)
+    assert maj < 0.2                               # three empty answers outvote the right one
+    assert maj_at_k(preds, corrects, 4) == 1.0     # ours: no answer, no vote
+    # best@k/mean is the chance that k draws with replacement hit a correct sample, 1 - (3/4)^k
+    assert best == pytest.approx(1 - 0.75 ** 4, abs=0.03) and pass_at_k(4, 1, 4) == 1.0
+    # the same draws as verl's bootstrap_metric: np.random.seed(42), then np.random.choice per draw
+    np.random.seed(42)
+    draws = [np.random.choice(4, size=2, replace=True) for _ in range(1000)]
+    assert evaluate.verl_bootstrap(preds, corrects, 2)[1] == pytest.approx(np.mean([max(corrects[i] for i in d) for d in draws]))
+    recs = [rec("a:0", "aime24", i, c, pred=p) for i, (p, c) in enumerate(zip(preds, corrects))]
+    s = evaluate.summarize(recs, [4], verl=True)["benchmarks"]["aime24"]
+    assert s["verl_maj@4/mean"] == pytest.approx(maj) and s["verl_best@4/mean"] == pytest.approx(best)
+
+
+def test_assert_style_and_system_records_are_accepted(tmp_path):
+    rows = [{"prompt": "p", "kind": "code", "system": "You are a coder.", "tests": {
+        "fn_name": None, "cases": [], "import_prefix": "import math\n", "entry_point": "Solution().f",
+        "test_code": "def check(candidate):\n    assert candidate(1) == 2\n"}}]
+    path = tmp_path / "a.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert evaluate.load_jsonl(str(path))[0]["system"] == "You are a coder."
+    path.write_text(json.dumps(dict(rows[0], tests={"fn_name": None, "cases": []})) + "\n")
+    with pytest.raises(SystemExit, match="field 'tests'"):
+        evaluate.load_jsonl(str(path))
 
 
 # ------------------------------------------------------------------- end to end on the tiny checkpoint

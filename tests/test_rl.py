@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import rl
+from common import checkpoints
 from rl import Config, group_advantages, grpo_tcr_loss, overlong_penalty, shape_reward
 
 
@@ -180,19 +181,28 @@ def test_batch_indices_epochs_and_determinism():
     assert rl.batch_indices(0, 4, 10, seed=4) != seen[0]
 
 
-def test_parse_args_presets_and_types():
-    toy = rl.parse_args([])
-    assert toy.model == "toy" and toy.prompts_per_step == rl.TOY["prompts_per_step"]
-    paper = rl.parse_args(["--model", "/ckpt", "--data=x.jsonl"])
+def test_parse_args_presets_and_types(capsys):
+    paper = rl.parse_args([])           # one set of defaults: the paper's recipe
+    assert paper == Config() and paper.model == "Gen-Verse/Qwen3-4B-RA-SFT"
     assert (paper.prompts_per_step, paper.samples_per_prompt, paper.mini_batch_prompts) == (64, 16, 16)
-    assert (paper.lr, paper.clip_low, paper.clip_high, paper.clip_c) == (1e-6, 0.2, 0.315, 10.0)
-    c = rl.parse_args(["--model=/m", "--clip-higher=false", "--overlong", "false", "--dynamic_sampling",
+    assert (paper.lr, paper.clip_low, paper.clip_high, paper.clip_c, paper.max_parallel_calls) == (1e-6, 0.2, 0.315, 10.0, 1)
+    toy = rl.parse_args(["--preset", "toy", "--steps=3"])   # the toy, by name
+    assert toy.model == "toy" and toy.prompts_per_step == rl.TOY["prompts_per_step"] and toy.steps == 3
+    c = rl.parse_args(["--model", "/m", "--clip-higher=false", "--overlong", "false", "--dynamic_sampling",
                        "--lr", "3e-6", "--steps=7"])
-    assert (c.clip_higher, c.overlong, c.dynamic_sampling, c.lr, c.steps) == (False, False, True, 3e-6, 7)
-    with pytest.raises(SystemExit, match="unknown option"):
+    assert (c.model, c.clip_higher, c.overlong, c.dynamic_sampling, c.lr, c.steps) == ("/m", False, False, True, 3e-6, 7)
+    with pytest.raises(SystemExit):
         rl.parse_args(["--nope=1"])
-    with pytest.raises(SystemExit, match="not a int"):
+    assert "unrecognized arguments: --nope=1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
         rl.parse_args(["--steps=x"])
+    assert "invalid int value: 'x'" in capsys.readouterr().err
+    ran = []
+    monkeypatch = pytest.MonkeyPatch()
+    monkeypatch.setattr(rl, "train", ran.append)
+    rl.main([])                          # `python rl.py` alone runs the toy preset
+    monkeypatch.undo()
+    assert ran == [rl.parse_args(["--preset=toy"])]
 
 
 def test_bad_record_stops_with_file_and_line(tmp_path):
@@ -258,14 +268,16 @@ def tool_policy(tmp_path_factory):
     model.save_pretrained(path)
     data = tmp_path_factory.mktemp("rl_data")
     rows = [{"prompt": f"What is {a} * {b}?", "answer": str(a * b), "kind": "math"} for a, b in PAIRS]
-    (data / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    # a fifth problem whose prompt is over any test's max_prompt_tokens: filtered out at load time
+    overlong = {"prompt": "What is " + " * ".join(["12"] * 400) + "?", "answer": "0", "kind": "math"}
+    (data / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows + [overlong]))
     (data / "heldout.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[1:3]))
     return path, str(data / "train.jsonl"), str(data / "heldout.jsonl")
 
 
 def small_run(tool_policy, out_dir, **overrides):
     model, train, _ = tool_policy
-    options = dict(model=model, data=train, out_dir=str(out_dir), steps=2, prompts_per_step=4,
+    options = dict(model=model, data=train, out_dir=str(out_dir), steps=2, prompts_per_step=4, max_prompt_tokens=512,
                    samples_per_prompt=4, mini_batch_prompts=2, max_response_tokens=80, overlong_buffer=32,
                    max_turns=3, tool_timeout=5.0, lr=1e-4, save_every=1, micro_batch_tokens=600,
                    logprob_micro_batch_tokens=1200, activation_checkpointing=False, score_workers=2,
@@ -280,7 +292,7 @@ def as_args(options):
 
 def weights(run_dir, step):
     from safetensors.torch import load_file
-    return load_file(os.path.join(run_dir, "checkpoints", f"step_{step:06d}", "model", "model.safetensors"))
+    return load_file(os.path.join(run_dir, f"step_{step:06d}", "model.safetensors"))
 
 
 def max_diff(a, b):
@@ -289,7 +301,7 @@ def max_diff(a, b):
 
 def metrics(run_dir):
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return {r["step"]: r for r in map(json.loads, f) if "step" in r}
+        return {r["step"]: r for r in map(json.loads, f) if r.get("event") == "step"}
 
 
 @pytest.fixture(scope="session")
@@ -303,6 +315,7 @@ def reference_run(tool_policy, tmp_path_factory):
 
 def test_two_steps_single_process(reference_run, tool_policy):
     out, summary = reference_run
+    assert summary["config"]["max_prompt_tokens"] == 512   # and the overlong fifth problem was dropped, not fatal
     m = metrics(out)
     assert sorted(m) == [1, 2]
     first = m[1]
@@ -318,8 +331,8 @@ def test_two_steps_single_process(reference_run, tool_policy):
     # the update moved the weights; the checkpoint is a Hugging Face dir with a tokenizer
     start = checkpoint_weights(tool_policy[0])
     assert max_diff(weights(out, 1), start) > 1e-5
-    assert os.path.exists(os.path.join(out, "checkpoints", "step_000002", "model", "tokenizer.json"))
-    assert open(os.path.join(out, "checkpoints", "latest")).read().strip() == "step_000002"
+    assert os.path.exists(os.path.join(out, "step_000002", "tokenizer.json"))
+    assert os.readlink(os.path.join(out, "final")) == "step_000002"
     assert summary["before"]["accuracy"] is not None and summary["after"]["accuracy"] is not None
     on_disk = json.load(open(os.path.join(out, "summary.json")))
     assert set(on_disk) >= {"before", "after", "config"}
@@ -339,15 +352,13 @@ def test_kill_and_resume_reproduces_the_run(reference_run, tool_policy, tmp_path
     options = small_run(tool_policy, out)
     proc = subprocess.Popen([sys.executable, "rl.py", *as_args(options)], cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    latest = out / "checkpoints" / "latest"
+    first = out / "step_000001"          # renamed into place only once complete
     deadline = time.time() + 120
-    while time.time() < deadline and proc.poll() is None:
-        if latest.exists() and latest.read_text().strip() == "step_000001":
-            break
+    while time.time() < deadline and proc.poll() is None and not first.exists():
         time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    assert latest.exists(), "the run never wrote its first checkpoint"
+    assert first.exists(), "the run never wrote its first checkpoint"
     rl.train(Config(**options))
     assert max_diff(weights(str(out), 2), weights(ref_dir, 2)) == 0.0
     a, b = metrics(str(out)), metrics(ref_dir)
@@ -387,7 +398,7 @@ def test_nan_loss_stops_with_the_step(tool_policy, tmp_path, monkeypatch):
     with pytest.raises(SystemExit, match=r"step 1: loss nan"):
         rl.train(Config(**small_run(tool_policy, tmp_path / "nan", steps=1, prompts_per_step=2, samples_per_prompt=2,
                                     max_response_tokens=40)))
-    assert not os.path.exists(tmp_path / "nan" / "checkpoints" / "latest")
+    assert not os.path.exists(tmp_path / "nan" / "final")
 
 
 def test_bad_record_stops_the_run(tmp_path):
@@ -395,3 +406,116 @@ def test_bad_record_stops_the_run(tmp_path):
     path.write_text('{"prompt": "1+1?", "answer": "2", "kind": "math"}\n{"prompt": "", "kind": "math"}\n')
     with pytest.raises(SystemExit, match=r"bad\.jsonl: line 2"):
         rl.train(Config(model="unused", data=str(path), out_dir=str(tmp_path / "run")))
+
+
+# -----------------------------------------------------------------------------
+# what a reading against verl found (issue 16)
+
+
+def test_log_ratio_is_clamped_as_verl():
+    # A = 0 with a log-ratio of 100: exp(100) * 0 would be inf * 0 = nan without verl's clamp to [-20, 20]
+    logp = torch.tensor([[100.0, 0.0]], requires_grad=True)
+    loss, stats = grpo_tcr_loss(logp, torch.zeros(1, 2), torch.zeros(1, 1), torch.ones(1, 2))
+    loss.backward()
+    assert math.isfinite(loss.item()) and loss.item() == 0.0 and torch.isfinite(logp.grad).all()
+    assert math.isfinite(stats["approx_kl"].item())
+    big, _ = grpo_tcr_loss(torch.tensor([[30.0]]), torch.zeros(1, 1), -torch.ones(1, 1), torch.ones(1, 1), clip_c=1e12)
+    assert big.item() == pytest.approx(math.exp(20.0))        # the ratio saturates at exp(20)
+
+
+def tiny_update_inputs(tiny_ckpt):
+    from model import Transformer
+    model = Transformer.from_pretrained(tiny_ckpt)
+    g = torch.Generator().manual_seed(0)
+    samples = []
+    for k in range(3):
+        ids = torch.randint(3, model.config.vocab_size, (12,), generator=g).tolist()
+        samples.append(dict(ids=ids, prompt_len=4, mask=[1] * 8, sampler_logprobs=[0.0] * 8, adv=[1.0, -0.5, 0.3][k]))
+    with torch.no_grad():
+        for s in samples:
+            ids = torch.tensor([s["ids"]])
+            s["old_logprobs"] = model.token_logprobs(ids[:, :-1], ids[:, 1:])[0] + 0.05
+    return model, samples
+
+
+def grads(model):
+    return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+
+def test_entropy_bonus_moves_the_gradient(tiny_ckpt):
+    """--entropy_coef: the gradient of the update is the policy loss's minus coef times the
+    gradient of the token-mean entropy (it used to come from no-grad stats: no effect at all)."""
+    from common import setup_distributed
+    setup_distributed()
+    model, samples = tiny_update_inputs(tiny_ckpt)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.0)
+    n_tok = sum(sum(s["mask"]) for s in samples)
+    base = Config(model="x", micro_batch_tokens=20, grad_clip=1e9)  # no clipping: compare raw gradients
+    rl.update(model, opt, samples, n_tok, 3, base, torch.device("cpu"), 1)
+    g0 = grads(model)
+    rl.update(model, opt, samples, n_tok, 3, Config(model="x", micro_batch_tokens=20, grad_clip=1e9, entropy_coef=0.5),
+              torch.device("cpu"), 1)
+    g1 = grads(model)
+    # the reference: the entropy term alone, by hand over the same tokens
+    model.zero_grad()
+    for s in samples:
+        ids = torch.tensor([s["ids"]])
+        _, ent = model.token_logprobs(ids[:, :-1], ids[:, 1:], return_entropy=True)
+        (-0.5 * ent[0, s["prompt_len"] - 1:].sum() / n_tok).backward()
+    g_ent = grads(model)
+    assert (g1 - g0).abs().max() > 1e-6
+    assert torch.allclose(g1 - g0, g_ent, atol=1e-6)
+
+
+def traj(problem_index, sample_index, text, calls, length=10):
+    from types import SimpleNamespace
+    return SimpleNamespace(problem_index=problem_index, sample_index=sample_index, prompt_ids=[1, 2],
+                           response_ids=list(range(length)), loss_mask=[1] * length, logprobs=[0.0] * length,
+                           text=text, tool_calls=calls, finish_reason="stop")
+
+
+def test_tool_bonus_counts_tool_turns_and_code_is_graded():
+    """The recipe's bonus is (num_turns - 2) / 2 * 0.1: one per assistant turn that called the
+    tool, so three calls packed into one wrong turn earn 0.1, not 0.3; bad calls do not count.
+    A code problem goes through the sandbox: fraction of tests passed, -1 without a program."""
+    cfg = Config(model="x", max_response_tokens=100, overlong_buffer=20, score_workers=2)
+    call = lambda turn, status="ok": {"code": "1", "status": status, "output": "", "turn": turn}
+    math_p = {"prompt": "q", "kind": "math", "answer": "7"}
+    tests = {"fn_name": None, "cases": [{"input": "1 2\n", "output": "3\n"}, {"input": "2 2\n", "output": "4\n"}]}
+    code_p = {"prompt": "q", "kind": "code", "tests": tests}
+    program = "```python\na, b = map(int, input().split())\nprint(a + b if a == 1 else 0)\n```"
+    trajs = [traj(0, 0, "\\boxed{6}", [call(0), call(0), call(0)]),
+             traj(0, 1, "\\boxed{6}", [call(0), call(1), call(2)]),
+             traj(0, 2, "\\boxed{6}", [call(0, "bad_call"), call(1, "bad_call"), call(2)]),
+             traj(0, 3, "\\boxed{7}", [call(0)]),
+             traj(1, 0, program, []), traj(1, 1, "no code at all", [call(0)])]
+    samples = rl.grade([math_p, code_p], trajs, cfg)
+    assert [s["reward"] for s in samples] == pytest.approx([-0.9, -0.7, -0.9, 1.0, 0.5, -0.9])
+    assert [s["score"] for s in samples] == pytest.approx([0, 0, 0, 1, 0.5, 0])
+
+
+def test_setup_distributed_sets_a_long_timeout(monkeypatch):
+    """Rollouts of 20k-token trajectories and rank 0's checkpoint writes keep the others waiting in
+    a collective far longer than a default timeout: the process group gets an explicit one."""
+    import common
+    seen = {}
+    monkeypatch.setattr(common.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(common.dist, "init_process_group", lambda backend, **kw: seen.update(kw, backend=backend))
+    monkeypatch.setattr(common.dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(common.dist, "get_world_size", lambda: 2)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(common.torch.cuda, "is_available", lambda: False)
+    assert common.setup_distributed()[3] is True
+    assert seen["backend"] == "gloo" and seen["timeout"] == common.DIST_TIMEOUT and common.DIST_TIMEOUT.total_seconds() >= 3600
+
+
+def test_recipe_options_run_inside_the_loop(tool_policy, tmp_path):
+    """kl_coef with the frozen reference, tis_cap, dynamic_sampling and ppo_epochs > 1, in real steps."""
+    out = tmp_path / "options"
+    summary = rl.train(Config(**small_run(tool_policy, out, steps=1, kl_coef=0.1, tis_cap=2.0, dynamic_sampling=True,
+                                          ppo_epochs=2, save_every=0)))
+    m = metrics(str(out))[1]
+    kept = round((1 - m["groups_all_equal"]) * 4)          # problems whose group has a signal
+    assert 0 < kept and m["updates"] <= 2 * 2 and m["updates"] >= 2  # two passes over the kept mini-batches
+    assert m["ref_kl"] > 0 and math.isfinite(m["loss"])     # the second pass has moved away from the reference
+    assert summary["config"]["kl_coef"] == 0.1

@@ -57,22 +57,24 @@ def in_tmp(tmp_path, monkeypatch):
 
 def test_sft_toy_stage_writes_a_checkpoint(in_tmp):
     import sft
-    toy.build("runs/toy/data", n_sft=24, n_train=8, n_heldout=8)   # small: sft.py reuses it
-    final = sft.train(sft.toy_config(max_steps=2, batch_size=4, eval_size=4, progress=False))
+    toy.build(toy.DATA, n_sft=24, n_train=8, n_heldout=8)   # small: sft.py reuses it
+    final = sft.train(sft.parse_args(["--preset=toy", "--max_steps=2", "--batch_size=4", "--eval_size=4",
+                                      "--progress=false"]))
     assert os.path.exists(os.path.join(final, "config.json")) and os.path.exists(os.path.join(final, "model.safetensors"))
     rows = [json.loads(l) for l in open("runs/toy/sft/metrics.jsonl")]
     assert any(r.get("step") == 2 and "loss" in r for r in rows)
+    assert toy.sft_start() == os.path.join(toy.ROOT, "sft", "final")   # rl.py now starts from this run
 
 
 def test_rl_toy_pipeline_from_the_shipped_start(in_tmp, capsys):
     import evaluate
     import rl
-    summary = rl.train(rl.parse_args(["--steps=1", "--prompts_per_step=2", "--samples_per_prompt=2",
+    summary = rl.train(rl.parse_args(["--preset=toy", "--steps=1", "--prompts_per_step=2", "--samples_per_prompt=2",
                                       "--mini_batch_prompts=2", "--eval_limit=12", "--save_every=1"]))
     out = "runs/toy/rl"
-    for name in ("metrics.jsonl", "summary.json", "checkpoints/latest"):
+    for name in ("metrics.jsonl", "summary.json", "final/config.json"):
         assert os.path.exists(os.path.join(out, name)), name
-    assert summary["config"]["model"] == rl.SHIPPED_TOY_SFT
+    assert summary["config"]["model"] == toy.SHIPPED_SFT
     before, after = summary["before"], summary["after"]
     assert 0.0 <= before["accuracy"] <= 1.0 and 0.0 <= after["accuracy"] <= 1.0
     # the SFT start already speaks the protocol: it calls the tool (about every other answer;
@@ -81,12 +83,10 @@ def test_rl_toy_pipeline_from_the_shipped_start(in_tmp, capsys):
     assert "held-out accuracy" in capsys.readouterr().out
     # `python evaluate.py` alone evaluates the newest toy policy: now the RL checkpoint
     args = evaluate.toy_arguments()
-    assert f"--model={os.path.join(rl.latest_checkpoint(rl.parse_args([])), 'model')}" in args
-    assert "--data=runs/toy/data/heldout.jsonl" in args
+    assert f"--model={os.path.join(out, 'final')}" in args and f"--data={toy.HELDOUT}" in args
 
 
 def test_evaluate_without_arguments_starts_from_the_shipped_policy(in_tmp):
     import evaluate
-    import rl
     args = evaluate.toy_arguments()
-    assert f"--model={rl.SHIPPED_TOY_SFT}" in args and os.path.exists("runs/toy/data/heldout.jsonl")
+    assert f"--model={toy.SHIPPED_SFT}" in args and os.path.exists(toy.HELDOUT)
