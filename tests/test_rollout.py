@@ -10,8 +10,9 @@ from transformers import AutoModelForCausalLM
 
 import rollout
 from model import Transformer
-from rollout import ChatFormat, Engine, RolloutConfig, ScriptedModel, complete, generate, sample
+from rollout import ChatFormat, Engine, RolloutConfig, complete, generate, sample
 from sandbox import TOOL_SCHEMA
+from scripts.bench_rollout import ScriptedModel
 
 
 
@@ -86,16 +87,14 @@ def test_batched_single_preempted_and_slot_limited_agree(sharp):
     assert all(abs(x - y) < 1e-4 for c, d in zip(a, b) for x, y in zip(c.logprobs, d.logprobs))
 
 
-def test_decode_rows_regrow_and_refill(sharp, monkeypatch):
-    """CPU decode keeps the running rows' K/V in buffers between steps. Outgrowing them (a headroom of
-    2: reallocated several times), and refilling them from the pool whenever the batch changes
-    (2 slots, budgets that end at different steps), changes neither tokens nor log-probs, and both
-    agree with a forward pass that uses no cache at all."""
+def test_changing_decode_batches_match_the_uncached_forward(sharp):
+    """Decode batches that change every few steps (2 slots, budgets that end at different steps, ragged
+    lengths in several length groups) give the tokens and log-probs of one batch, and both agree with
+    a forward pass that uses no cache at all."""
     model, _ = sharp
     prompts = ragged_prompts(model.config.vocab_size)
     budgets = [48, 10, 30, 5, 48, 20]
     want = complete(model, prompts, 48, temperature=1.0, seed=3)
-    monkeypatch.setattr(rollout.PagedKVCache, "row_headroom", 2)
     got = complete(model, prompts, budgets, temperature=1.0, seed=3, max_num_seqs=2)
     for p, b, w, g in zip(prompts, budgets, want, got):
         assert g.token_ids == w.token_ids[:b]
@@ -299,23 +298,18 @@ def run_scripted(tokenizer, model_config, problems, turns, config, sandbox, mode
     return rollout.rollout(policy, tokenizer, problems, config, sandbox=sandbox, engine=engine), engine
 
 
-def num_calls(message):
-    return len(message.get("tool_calls") or []) or message["content"].count("<tool_call>")
-
-
 def check_transcript(tokenizer, chat, problem, messages, traj):
     """Final ids == the template's rendering of the reconstructed conversation (scripted assistant
     turns, the tool replies the trajectory got); mask 1 exactly on the assistant turns; the log-probs
     those of a one-hot policy (0)."""
     conv = [{"role": "user", "content": problem["prompt"]}]
-    records = list(traj.tool_calls)
     turn_starts = []
-    for m in messages[:traj.num_turns]:
+    assert [r["turn"] for r in traj.tool_calls] == sorted(r["turn"] for r in traj.tool_calls)
+    for k, m in enumerate(messages[:traj.num_turns]):
         turn_starts.append(len(render(tokenizer, conv, True)))
         conv.append(m)
-        if records and num_calls(m):  # calls that ran were answered; a turn whose calls did not run ends it
-            conv += [{"role": "tool", "content": records.pop(0)["output"]} for _ in range(num_calls(m))]
-    assert not records
+        conv += [{"role": "tool", "content": r["output"]} for r in traj.tool_calls if r["turn"] == k]
+    assert all(r["turn"] < traj.num_turns for r in traj.tool_calls)
     ids = traj.prompt_ids + traj.response_ids
     if traj.finish_reason == "length":
         want = render(tokenizer, conv, conv[-1]["role"] == "tool")
@@ -356,11 +350,11 @@ def test_agent_loop_transcripts(tiny_tokenizer, tiny_config):
         [{"role": "assistant", "content": "Wait.", "tool_calls": [call("import time; time.sleep(100)")]}, ANSWER],
         # a call on every turn: the last allowed one (max_turns) is not run
         [{"role": "assistant", "content": f"Step {k}.", "tool_calls": [call("print(2**10)")]} for k in range(6)],
-        # two calls in one turn: both run, the replies share one user turn
+        # two calls in one turn (max_parallel_calls=2): both run, the replies share one user turn
         [{"role": "assistant", "content": "Both.", "tool_calls": [call("print(6*7)"), call("print(2**10)")]}, ANSWER],
     ]
     sandbox = FakeSandbox()
-    config = RolloutConfig(n=2, temperature=1.0, max_turns=4, max_response_tokens=2000)
+    config = RolloutConfig(n=2, temperature=1.0, max_turns=4, max_response_tokens=2000, max_parallel_calls=2)
     trajs, _ = run_scripted(tok, tiny_config, problems, turns, config, sandbox)
     assert [(t.problem_index, t.sample_index) for t in trajs] == [(i, j) for i in range(5) for j in range(2)]
     by_problem = trajs[::2]
@@ -368,8 +362,9 @@ def test_agent_loop_transcripts(tiny_tokenizer, tiny_config):
         check_transcript(tok, chat, p, msgs, t)
     ok, bad, slow, last, both = by_problem
     assert (ok.finish_reason, ok.num_turns, [c["status"] for c in ok.tool_calls]) == ("stop", 2, ["ok"])
-    assert ok.tool_calls[0] == {"code": "print(6*7)", "status": "ok", "output": "42\n"}
+    assert ok.tool_calls[0] == {"code": "print(6*7)", "status": "ok", "output": "42\n", "turn": 0}
     assert bad.finish_reason == "stop" and [c["status"] for c in bad.tool_calls] == ["bad_call"] * 3
+    assert [c["turn"] for c in bad.tool_calls] == [0, 1, 2] and [c["turn"] for c in last.tool_calls] == [0, 1, 2]
     assert [c["code"] for c in bad.tool_calls] == [None] * 3
     assert "JSON" in bad.tool_calls[0]["output"] and "python" in bad.tool_calls[1]["output"]
     assert '"code"' in bad.tool_calls[2]["output"]
