@@ -1,28 +1,27 @@
 """rollout.py: a paged-KV batched sampler and the multi-turn agent loop with the code tool.
 
-`generate` / `complete` sample from token-id prompts: K/V in fixed-size blocks with a block table per
-sequence, full prompt blocks shared by reference count (the n samples of a prompt prefill it once),
-continuous batching, preemption by recompute when blocks run out. Greedy at temperature 0, else
-temperature, top-k, top-p and an inverse CDF in float64 driven by each sequence's own seeded generator;
-every token comes with its log-prob (and on request its temperature-1 log-prob). On CPU in fp32 a seeded
-run gives the same tokens whatever the batching, preemption or tool timing (tested); on CUDA in bf16 the
-kernels' numerics depend on the batch shape, so logits and then tokens can change with the batching (the
-random streams do not). The sampled tokens are read to the host once per step, never per token.
-On CUDA with flash-attn importable, attention reads the paged pools directly; elsewhere prefill uses
-SDPA and decode gathers the blocks of each group of similar lengths.
+`generate` / `complete`: token-id prompts in, new ids (and log-probs) out. K/V sits in fixed-size blocks
+with a block table per sequence; full prompt blocks are shared by reference count (the n samples of a
+prompt prefill it once); continuous batching; preemption by recompute when blocks run out. With
+flash-attn importable on CUDA, attention reads the paged pools; elsewhere prefill uses SDPA and decode
+keeps the running rows' K/V contiguous between steps. Sampling: greedy at temperature 0, else
+temperature, top-k, top-p and a float64 inverse CDF fed by each sequence's own seeded generator, with
+each token's log-prob (optionally its temperature-1 log-prob). The random stream of a sequence does not
+depend on batching, preemption or tool timing; the logits do in their last bits: on CPU in fp32 the
+tests see the same tokens and log-probs within 1e-5 either way; on CUDA in bf16 batch-shape dependent
+kernels make tokens differ. The step's tokens are read to the host once (by design; not profiled on a GPU).
 
-`rollout(model, tokenizer, problems, config)`: config.n trajectories per problem, prompts rendered as
-[system] + user with tools=[TOOL_SCHEMA]. A turn that ends with the template's end-of-turn token and holds
-`<tool_call>...</tool_call>` blocks (found as verl's Hermes parser finds them: calls inside <think> run too)
-sends its first max_parallel_calls calls to the sandbox as Futures while the other trajectories keep
-decoding; the reply tokens (mask 0) come from the chat template rendered around placeholders, the tool
-output encoded as plain text (no string in it becomes an added token, special or not). Token in, token
-out: ids already held are never re-tokenised. A turn ending with another end id (e.g. <|endoftext|>) ends
-the trajectory ("eos"). Library only: scripts/chat.py is the REPL, scripts/bench_rollout.py the benchmark.
+`rollout(model, tokenizer, problems, RolloutConfig(n=16))`, as rl.py and evaluate.py call it: the prompt
+is [system] + user rendered with tools=[TOOL_SCHEMA]. A turn that ends with the template's end-of-turn
+token and holds `<tool_call>...</tool_call>` blocks (found as verl's Hermes parser finds them, so calls
+inside <think> run too) sends its first max_parallel_calls calls to the sandbox as Futures while the
+other trajectories keep decoding. The reply (mask 0) is what the chat template renders, the tool output
+plain text: no string in it becomes an added token, special or not. Token in, token out. A turn ended by
+another end id (<|endoftext|>) ends the trajectory ("eos"). REPL: scripts/chat.py; bench: scripts/bench_rollout.py.
 
-Departures from the paper (vLLM in verl's agent loop): plain PyTorch, no CUDA graphs, no cache of freed
-prefix blocks; a malformed call (bad JSON, unknown tool, no code, unclosed) gets a short error reply
-(status bad_call) where verl drops it; a reply that would cross the response budget is cut ("length").
+Departures from the paper (vLLM inside verl's agent loop): plain PyTorch, no CUDA graphs, no cache of
+freed prefix blocks; a malformed call (bad JSON, unknown tool, no code, unclosed) gets a short error
+reply (status bad_call) where verl drops it; a reply that would cross the response budget is cut there.
 """
 
 import concurrent.futures
@@ -30,7 +29,7 @@ import itertools
 import json
 import os
 import re
-from collections import deque
+from collections import deque, namedtuple
 from dataclasses import asdict, dataclass
 
 import torch
@@ -50,7 +49,7 @@ class RolloutConfig:
     top_k: int = 0                     # 0: off
     max_prompt_tokens: int = 2560      # a longer prompt is an error (filter the data)
     max_response_tokens: int = 20480   # counts the forced tool-reply tokens too
-    max_turns: int = 16                # assistant turns; a call in the last one is not run
+    max_turns: int = 16                # assistant turns; a call in the last one is not run ("max_turns")
     tool_output_chars: int = 256       # tool output cut to this many characters (head + tail)
     tool_timeout: float = 10.0
     tool_memory_mb: int = 1024
@@ -75,31 +74,15 @@ class Trajectory:
         return asdict(self)
 
 
-@dataclass
-class SamplingParams:
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    max_tokens: int = 256              # response tokens, sampled and forced
-    stop_token_ids: frozenset = frozenset()
-
-
-@dataclass
-class Completion:
-    token_ids: list[int]
-    logprobs: list[float]
-    raw_logprobs: list[float] | None   # under the unmodified T=1 distribution, if asked for
-    finish_reason: str                 # "stop" | "length"
+SamplingParams = namedtuple("SamplingParams", "temperature top_p top_k max_tokens stop_token_ids")
+# raw_logprobs: under the unmodified T=1 distribution, if asked for; finish_reason: "stop" | "length"
+Completion = namedtuple("Completion", "token_ids logprobs raw_logprobs finish_reason")
 
 
 def upload(values, device, dtype=None):
     """A host list or tensor on device; on CUDA through pinned memory, so the copy does not sync."""
     t = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
-
-
-# -----------------------------------------------------------------------------
-# sequences and the paged KV cache
 
 
 class Sequence:
@@ -110,18 +93,12 @@ class Sequence:
             raise ValueError("empty prompt")
         self.token_ids, self.num_prompt, self.params = list(prompt_ids), len(prompt_ids), params
         self.mask, self.logprobs, self.raw_logprobs = [], [], []   # per response token
-        self.num_cached = 0      # leading tokens whose K/V sit in the cache
-        self.block_table = []    # cache block ids, in order
-        self.finish_reason = None
+        self.num_cached, self.block_table = 0, []   # leading tokens whose K/V is cached; their block ids
+        self.finish_reason, self.uniforms = None, []
         self.generator = torch.Generator().manual_seed(seed)
-        self.uniforms = []
 
     def __len__(self):
         return len(self.token_ids)
-
-    @property
-    def response_ids(self):
-        return self.token_ids[self.num_prompt:]
 
     @property
     def num_response(self):
@@ -132,43 +109,30 @@ class Sequence:
             self.uniforms = torch.rand(64, generator=self.generator, dtype=torch.float64).tolist()[::-1]
         return self.uniforms.pop()
 
-    def append_sampled(self, token, logprob, raw_logprob):
-        self.token_ids.append(token)
-        self.mask.append(1)
-        self.logprobs.append(logprob)
-        self.raw_logprobs.append(raw_logprob)
-
-    def append_forced(self, ids):
+    def append(self, ids, sampled, logprob=0.0, raw_logprob=0.0):
         self.token_ids += ids
-        self.mask += [0] * len(ids)
-        self.logprobs += [0.0] * len(ids)
-        self.raw_logprobs += [0.0] * len(ids)
+        self.mask += [int(sampled)] * len(ids)
+        self.logprobs += [logprob] * len(ids)
+        self.raw_logprobs += [raw_logprob] * len(ids)
 
 
 class BlockManager:
-    """Hands out the cache blocks and counts their holders.
-
-    A full block is registered under (previous block id, its tokens): the previous block stands for the
-    whole prefix, so the key is exact. A fresh sequence whose first blocks are registered takes them
-    instead of recomputing. The block holding a sequence's last token is never shared: that token is
-    recomputed for its logits.
-    """
+    """Hands out the cache blocks and counts their holders. A full block is registered under (previous
+    block id, its tokens): the previous block stands for the whole prefix, so the key is exact. A fresh
+    sequence whose first blocks are registered takes them instead of recomputing. The block holding a
+    sequence's last token is never shared: that token is recomputed for its logits."""
 
     def __init__(self, num_blocks, block_size, share_prefix=True):
         self.block_size, self.share_prefix = block_size, share_prefix
-        self.free = deque(range(num_blocks))
-        self.refcount = [0] * num_blocks
+        self.free, self.refcount = deque(range(num_blocks)), [0] * num_blocks
         self.key_of, self.block_of = {}, {}   # block id <-> key, for shareable full blocks
 
     def _key(self, seq, i, parent):
         return parent, tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
 
     def _shared_prefix(self, seq):
-        """Registered blocks that can stand for a fresh sequence's leading tokens."""
         hits = []
-        if seq.block_table or not self.share_prefix:
-            return hits
-        for i in range((len(seq) - 1) // self.block_size):
+        for i in range((len(seq) - 1) // self.block_size if self.share_prefix and not seq.block_table else 0):
             block = self.block_of.get(self._key(seq, i, hits[-1] if hits else -1))
             if block is None:
                 break
@@ -176,7 +140,6 @@ class BlockManager:
         return hits
 
     def blocks_missing(self, seq):
-        """New blocks seq needs so that all its tokens have a slot."""
         return -(-len(seq) // self.block_size) - len(seq.block_table) - len(self._shared_prefix(seq))
 
     def grow(self, seq):
@@ -187,10 +150,9 @@ class BlockManager:
             seq.num_cached = len(seq.block_table) * self.block_size
         full_before = seq.num_cached // self.block_size
         while len(seq.block_table) * self.block_size < len(seq):
-            block = self.free.popleft()
-            self.refcount[block] = 1
-            seq.block_table.append(block)
-        # Blocks this step fills become shareable now: within a layer every new K/V is written before
+            seq.block_table.append(self.free.popleft())
+            self.refcount[seq.block_table[-1]] = 1
+        # Blocks this step fills are shareable at once: within a layer every new K/V is written before
         # anything is read, so a sibling prefilled in the same step sees them.
         for i in range(full_before, len(seq) // self.block_size if self.share_prefix else 0):
             key, block = self._key(seq, i, seq.block_table[i - 1] if i else -1), seq.block_table[i]
@@ -208,33 +170,30 @@ class BlockManager:
 
 class PagedKVCache:
     """Per-layer K/V pools [num_blocks, block_size, kv_heads, head_dim] (flash-attn's paged layout) and the
-    layout of the current step; `attend` is model.py's seam. Without flash-attn, decode keeps the running
-    sequences' K/V in contiguous row buffers between steps (see decode_order)."""
+    layout of the current step; `attend` is model.py's seam."""
 
-    row_headroom = 128  # free positions past the longest row when the row buffers are laid out
+    row_headroom = 128  # free positions past the longest row when the decode row buffers are laid out
 
     def __init__(self, config, num_blocks, block_size, device, dtype, use_flash, row_budget=0):
         shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
         # zeros, not empty: padded reads get weight 0, and 0 * NaN garbage would still be NaN
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.num_hidden_layers)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.num_hidden_layers)]
-        self.block_size, self.device, self.use_flash = block_size, device, use_flash
-        self.scratch = None  # gathered k, v of one layer, reused across layers and steps
-        self.row_budget, self.rows, self.row_cached = row_budget, None, {}  # rows x capacity stays under row_budget
+        self.block_size, self.device, self.use_flash, self.scratch = block_size, device, use_flash, None
+        self.row_budget, self.rows, self.row_cached = row_budget, None, {}   # rows x capacity <= row_budget
         self.rows_k = self.rows_v = [torch.zeros(0, 0, 0, 0)]
 
     def decode_order(self, batch):
         """The decode batch, longest first. While the same sequences keep decoding, each step writes one
-        token per row into the row buffers instead of gathering every block again (about 1.3-1.6x the
-        tokens/s of a gather per step on scripts/bench_rollout.py); when the set changes or a row outgrows
-        them, they are laid out again and refilled from the pool once. Rows are padded to the longest, so
-        past row_budget tokens each group's blocks are gathered every step instead."""
+        token per row into contiguous row buffers [rows, Hkv, capacity, D] instead of gathering every
+        block again (the bench in scripts/ measures both); when the set changes or a row outgrows them,
+        they are laid out again and refilled from the pool once. Rows are padded to the longest, so past
+        row_budget tokens decode gathers each group's blocks every step instead."""
         if self.use_flash:
             return batch
         if {id(s): s.num_cached for s in batch} == self.row_cached and max(map(len, batch)) <= self.rows_k[0].shape[2]:
-            return self.rows  # the rows of the last step, one token longer each (self.rows keeps the ids alive)
-        rows = sorted(batch, key=len, reverse=True)
-        step = self.row_headroom
+            return self.rows  # last step's rows, one token longer each (self.rows keeps the ids alive)
+        rows, step = sorted(batch, key=len, reverse=True), self.row_headroom
         capacity = -(-(len(rows[0]) + step) // step) * step
         self.rows, self.row_cached = (rows, None) if len(rows) * capacity <= self.row_budget else (None, {})
         have_rows, _, have_capacity, _ = self.rows_k[0].shape
@@ -242,9 +201,9 @@ class PagedKVCache:
             if capacity > have_capacity:  # geometric growth: a long decode reallocates log(n) times
                 capacity = max(capacity, min(2 * have_capacity, self.row_budget // len(rows)))
             self.rows_k = self.rows_v = None  # free the old buffers first
-            shape = (len(rows), self.k[0].shape[2], capacity, self.k[0].shape[3])
-            self.rows_k = [torch.zeros(shape, device=self.device, dtype=self.k[0].dtype) for _ in self.k]
-            self.rows_v = [torch.zeros(shape, device=self.device, dtype=self.k[0].dtype) for _ in self.k]
+            shape, dtype = (len(rows), self.k[0].shape[2], capacity, self.k[0].shape[3]), self.k[0].dtype
+            self.rows_k = [torch.zeros(shape, device=self.device, dtype=dtype) for _ in self.k]
+            self.rows_v = [torch.zeros(shape, device=self.device, dtype=dtype) for _ in self.k]
         self.stale = [True] * len(self.k)  # per layer: refill from the pool before use
         return rows
 
@@ -258,8 +217,7 @@ class PagedKVCache:
             positions += span
             slots += [seq.block_table[p // bs] * bs + p % bs for p in span]
         self.seqs, self.decode = batch, decode
-        self.k_lens = [len(s) for s in batch]
-        self.q_lens = [len(s) - s.num_cached for s in batch]
+        self.k_lens, self.q_lens = [len(s) for s in batch], [len(s) - s.num_cached for s in batch]
         self.cu_q = list(itertools.accumulate(self.q_lens, initial=0))
         width = max(len(s.block_table) for s in batch)
         self.block_tables = upload([s.block_table + [0] * (width - len(s.block_table)) for s in batch], dev, torch.int32)
@@ -271,15 +229,15 @@ class PagedKVCache:
             self.cu_k_t = upload(list(itertools.accumulate(self.k_lens, initial=0)), dev, torch.int32)
         if decode and not self.use_flash:
             self.groups = self._length_groups()
-            if self.rows:  # after this step each row holds len(seq) tokens
+            if self.rows:  # after this step every row holds len(seq) tokens
                 self.row_cached = {id(s): len(s) for s in batch}
                 self.row_pos = upload([n - 1 for n in self.k_lens], dev, torch.long)
         shape = (len(batch), 1) if decode else (1, len(ids))
         return upload(ids, dev, torch.long).view(shape), upload(positions, dev, torch.long).view(shape)
 
     def _length_groups(self):
-        """Runs of rows (longest first) whose longest is under twice their shortest, each attended padded to
-        its longest and masked: a ragged batch is not padded to its longest row."""
+        """Runs of rows whose longest is under twice their shortest, each attended padded to its longest
+        and masked: a ragged batch is not padded to its longest row."""
         lens, groups, start = self.k_lens, [], 0
         for i in range(1, len(lens) + 1):
             if i == len(lens) or 2 * lens[i] <= lens[start]:
@@ -300,64 +258,53 @@ class PagedKVCache:
         v_pool.view(-1, *v.shape[1:]).index_copy_(0, self.slots, v.to(v_pool.dtype))
         if self.use_flash:
             out = self._attend_flash(q, k_pool, v_pool)
-        elif self.decode:
-            out = self._attend_decode(layer, q, k, v)
         else:
-            out = self._attend_prefill(q, k, v, k_pool, v_pool)
+            out = self._attend_decode(layer, q, k, v) if self.decode else self._attend_prefill(layer, q, k, v)
         return out.reshape(B, T, Hq, D)
 
-    def _gather(self, k_pool, v_pool, blocks):
+    def _gather(self, layer, blocks):
         """k, v of the given blocks, copied into the scratch buffer: [n, block_size, Hkv, D] each."""
-        n = blocks.numel()
+        n, pool = blocks.numel(), self.k[layer]
         if self.scratch is None or self.scratch.shape[1] < n:
-            self.scratch = k_pool.new_empty((2, max(n, 64), *k_pool.shape[1:]))
-        k = torch.index_select(k_pool, 0, blocks, out=self.scratch[0, :n])  # much faster than pool[blocks]
-        v = torch.index_select(v_pool, 0, blocks, out=self.scratch[1, :n])
-        return k, v
-
-    def _group_kv(self, layer, start, end, width):
-        """Keys and values of rows start:end, [rows, Hkv, width, D]: from the row buffers, else gathered."""
-        if self.rows:
-            return self.rows_k[layer][start:end, :, :width], self.rows_v[layer][start:end, :, :width]
-        blocks = self.block_tables[start:end, :-(-width // self.block_size)].flatten().long()
-        return (t.view(end - start, -1, *t.shape[2:])[:, :width].transpose(1, 2).contiguous()
-                for t in self._gather(self.k[layer], self.v[layer], blocks))
+            self.scratch = pool.new_empty((2, max(n, 64), *pool.shape[1:]))
+        return (torch.index_select(p, 0, blocks, out=out[:n]) for p, out in zip((pool, self.v[layer]), self.scratch))
 
     def _attend_decode(self, layer, q, k, v):
         # one query per row, attended per group of similar lengths
         if self.rows:
+            rows_k, rows_v = self.rows_k[layer], self.rows_v[layer]
             if self.stale[layer]:  # copy every row's cached K/V out of the pool, head-major
-                blocks = self.block_tables.flatten().long()
-                for pool, rows in ((self.k[layer], self.rows_k[layer]), (self.v[layer], self.rows_v[layer])):
-                    gathered = torch.index_select(pool, 0, blocks).view(len(self.rows), -1, *pool.shape[2:])
-                    width = min(gathered.shape[1], rows.shape[2])  # the last block may overhang the buffer
-                    rows[:len(self.rows), :, :width].copy_(gathered[:, :width].transpose(1, 2))
+                for pool, rows in zip(self._gather(layer, self.block_tables.flatten().long()), (rows_k, rows_v)):
+                    pool = pool.view(len(self.rows), -1, *pool.shape[2:])
+                    width = min(pool.shape[1], rows.shape[2])  # the last block may overhang the buffer
+                    rows[:len(self.rows), :, :width].copy_(pool[:, :width].transpose(1, 2))
                 self.stale[layer] = False
             index = torch.arange(len(self.rows), device=self.device)
-            self.rows_k[layer][index, :, self.row_pos] = k.to(self.rows_k[layer].dtype)  # k, v [B, Hkv, D]
-            self.rows_v[layer][index, :, self.row_pos] = v.to(self.rows_v[layer].dtype)
+            rows_k[index, :, self.row_pos], rows_v[index, :, self.row_pos] = k.to(rows_k.dtype), v.to(rows_v.dtype)
         (B, Hq, D), hkv = q.shape, k.shape[1]
         outs = []
         for start, end, width, bias in self.groups:
-            keys, values = self._group_kv(layer, start, end, width)
+            if self.rows:
+                keys, values = rows_k[start:end, :, :width], rows_v[start:end, :, :width]
+            else:  # gather the group's blocks (this step's k/v are already in the pool)
+                blocks = self.block_tables[start:end, :-(-width // self.block_size)].flatten().long()
+                keys, values = (t.view(end - start, -1, hkv, D)[:, :width].transpose(1, 2).contiguous()
+                                for t in self._gather(layer, blocks))
             qg = q[start:end].view(end - start, hkv, Hq // hkv, D)          # query head h reads kv head h // G
             scores = torch.matmul(qg, keys.transpose(-1, -2)) * D ** -0.5   # [n, Hkv, G, width]
-            if bias is not None:
-                scores = scores + bias
-            probs = scores.softmax(-1, dtype=torch.float32).to(q.dtype)
+            probs = (scores if bias is None else scores + bias).softmax(-1, dtype=torch.float32).to(q.dtype)
             outs.append(torch.matmul(probs, values).view(end - start, Hq, D))
-        return torch.cat(outs) if len(outs) > 1 else outs[0]
+        return torch.cat(outs)
 
-    def _attend_prefill(self, q, k, v, k_pool, v_pool):
+    def _attend_prefill(self, layer, q, k, v):
         # one causal attention per sequence; one with cached tokens reads them from its blocks
         outs = []
         for i, (q_len, k_len) in enumerate(zip(self.q_lens, self.k_lens)):
             s, e = self.cu_q[i], self.cu_q[i + 1]
-            if q_len == k_len:
-                ki, vi, mask = k[s:e], v[s:e], None
-            else:
+            ki, vi, mask = k[s:e], v[s:e], None
+            if q_len < k_len:
                 blocks = self.block_tables[i, :-(-k_len // self.block_size)].long()
-                ki, vi = (t.flatten(0, 1)[:k_len] for t in self._gather(k_pool, v_pool, blocks))
+                ki, vi = (t.flatten(0, 1)[:k_len] for t in self._gather(layer, blocks))
                 # query j sits at position k_len - q_len + j and sees keys up to there
                 mask = torch.ones(q_len, k_len, dtype=torch.bool, device=q.device).tril(k_len - q_len)
             qi, ki, vi = (t.transpose(0, 1)[None] for t in (q[s:e], ki, vi))  # [1, H, T, D]
@@ -374,10 +321,6 @@ class PagedKVCache:
                                       max(self.k_lens), causal=True, block_table=self.block_tables)
 
 
-# -----------------------------------------------------------------------------
-# sampling
-
-
 def sample(logits, temperature, top_p, top_k, uniform):
     """One token per row by inverse CDF. logits [S, V] fp32 on any device; temperature, top_p, uniform [S]
     float and top_k [S] long (0: off) on the host. Returns (tokens [S], log-probs [S]), the log-prob under
@@ -388,17 +331,15 @@ def sample(logits, temperature, top_p, top_k, uniform):
     greedy = temperature == 0
     logp = torch.log_softmax(logits / torch.where(greedy, 1.0, temperature)[:, None], dim=-1)
     rank = torch.arange(logits.shape[1], device=logits.device)
+    logp_drawn, order = logp.sort(dim=-1, descending=True) if truncate else (logp, None)
+    # float64: a float32 CDF moves in steps of 6e-8 near 1, so a token of smaller mass got an interval of 0 or 6e-8
+    p = logp_drawn.double().exp()
     if truncate:
-        logp_drawn, order = logp.sort(dim=-1, descending=True)
-        p = logp_drawn.double().exp()
         keep = rank < torch.where(top_k > 0, top_k, len(rank))[:, None]
         p_k = p * keep
         p_k = p_k / p_k.sum(-1, keepdim=True)
         keep &= ((p_k.cumsum(-1) - p_k) < top_p[:, None]) | (top_p[:, None] >= 1)  # mass before it < top_p
         p = p * keep
-    else:
-        logp_drawn, p = logp, logp.double().exp()
-    # float64: a float32 CDF moves in steps of 6e-8 near 1, so a token of smaller mass got an interval of 0 or 6e-8
     cdf = p.cumsum(-1)
     mass = cdf[:, -1:]
     idx = torch.searchsorted(cdf, uniform[:, None].double() * mass, right=True)
@@ -412,24 +353,16 @@ def sample(logits, temperature, top_p, top_k, uniform):
     return tokens, token_logp
 
 
-# -----------------------------------------------------------------------------
-# the engine: scheduler and model runner
-
-
 class Engine:
-    """Continuous batching over a paged KV cache.
-
-    `add` queues a sequence; `step` runs one prefill or decode step and returns the sequences that stopped
-    in it (a stop token or the token budget). A stopped sequence keeps its blocks until the caller
-    `release`s it or `resume`s it with forced tokens (a tool reply); under memory pressure a held sequence
-    may lose its blocks and is then recomputed on resume.
-    """
+    """Continuous batching over a paged KV cache. `add` queues a sequence; `step` runs one prefill or decode
+    step and returns the sequences that stopped in it (a stop token or the token budget). A stopped
+    sequence keeps its blocks until the caller `release`s it or `resume`s it with forced tokens (a tool
+    reply); under memory pressure a held sequence may lose its blocks and is recomputed on resume."""
 
     def __init__(self, model, max_num_seqs=256, max_prefill_tokens=8192, num_blocks=None, block_size=None,
                  max_seq_lens=None, kv_memory_fraction=0.7, kv_cache_bytes=4 << 30, share_prefix=True,
                  raw_logprobs=False):
-        self.model, cfg = model, model.config
-        param = next(model.parameters())
+        self.model, cfg, param = model, model.config, next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         backend = getattr(model, "attn_backend", "auto")  # model.py's switch: "auto" | "sdpa" | "flash"
         self.use_flash = backend == "flash" or (backend == "auto" and flash_attn_with_kvcache is not None
@@ -437,8 +370,7 @@ class Engine:
         if self.use_flash and flash_attn_with_kvcache is None:
             raise RuntimeError("attn_backend='flash' but flash_attn is not installed")
         block_size = block_size or (256 if self.use_flash else 16)
-        row_budget = num_blocks * block_size if num_blocks else 0  # decode row buffers: at most as many tokens as the pool
-        if num_blocks is None:  # a memory budget, halved without flash-attn so the row buffers fit in it too
+        if num_blocks is None:  # a memory budget, halved without flash-attn: the row buffers may take as much
             per_block = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * param.element_size() * block_size
             cuda = self.device.type == "cuda"
             budget = int(torch.cuda.mem_get_info(self.device)[0] * kv_memory_fraction) if cuda else kv_cache_bytes
@@ -446,15 +378,13 @@ class Engine:
             row_budget = num_blocks * block_size
             if max_seq_lens is not None:  # no more than the workload could ever hold
                 num_blocks = min(num_blocks, sum(-(-n // block_size) for n in max_seq_lens))
-        self.num_blocks = num_blocks
-        self.blocks = BlockManager(num_blocks, block_size, share_prefix)
+        else:
+            row_budget = num_blocks * block_size
+        self.num_blocks, self.blocks = num_blocks, BlockManager(num_blocks, block_size, share_prefix)
         self.cache = PagedKVCache(cfg, num_blocks, block_size, self.device, self.dtype, self.use_flash, row_budget)
         self.max_num_seqs, self.max_prefill_tokens, self.raw_logprobs = max_num_seqs, max_prefill_tokens, raw_logprobs
         self.waiting, self.running, self.held = deque(), deque(), []
-        self.stats = dict(steps=0, prefill_steps=0, prefill_tokens=0, decode_tokens=0, shared_tokens=0, preemptions=0)
-
-    def add(self, seq):
-        self.waiting.append(seq)
+        self.stats = dict(prefill_tokens=0, decode_tokens=0, shared_tokens=0, preemptions=0)
 
     def has_work(self):
         return bool(self.waiting or self.running)
@@ -467,24 +397,25 @@ class Engine:
     def resume(self, seq, forced_ids):
         """Append forced tokens (mask 0) to a stopped sequence and queue it to continue sampling."""
         self.held.remove(seq)
-        seq.append_forced(forced_ids)
+        seq.append(forced_ids, sampled=False)
         seq.finish_reason = None
         self.waiting.append(seq)
 
+    def _free(self, seq, requeue=False):
+        """Preemption: seq loses its blocks and is recomputed from its tokens when its turn comes."""
+        self.blocks.release(seq)
+        self.stats["preemptions"] += 1
+        if requeue:
+            self.waiting.appendleft(seq)
+
     def _reclaim(self):
         """Nothing runs and the queue head does not fit: free the newest sequence waiting on a tool, else
-        the newest queued behind the head (both are recomputed later). False if none holds blocks."""
+        the newest queued behind the head. False if none holds blocks."""
         for seq in [*reversed(self.held), *reversed(list(self.waiting)[1:])]:
             if seq.block_table:
-                self.blocks.release(seq)
-                self.stats["preemptions"] += 1
+                self._free(seq)
                 return True
         return False
-
-    def _preempt(self, seq):
-        self.blocks.release(seq)
-        self.waiting.appendleft(seq)
-        self.stats["preemptions"] += 1
 
     def _schedule_prefill(self):
         batch, tokens = [], 0
@@ -514,35 +445,40 @@ class Engine:
             seq = self.running.popleft()
             while seq is not None and self.blocks.blocks_missing(seq) > len(self.blocks.free):
                 if self.running:  # the newest running sequence makes room
-                    self._preempt(self.running.pop())
+                    self._free(self.running.pop(), requeue=True)
                 elif not self._reclaim():
-                    self._preempt(seq)
+                    self._free(seq, requeue=True)
                     seq = None
             if seq is not None:
                 self.blocks.grow(seq)
                 batch.append(seq)
         self.running = deque(batch)
-        return self.cache.decode_order(batch)
+        return self.cache.decode_order(batch) if batch else []
 
     @torch.inference_mode()
     def step(self):
         batch = self._schedule_prefill()
         decode = not batch
-        if decode:
-            batch = self._schedule_decode()
-            if not batch:
-                return []
+        batch = self._schedule_decode() if decode else batch
+        if not batch:
+            return []
         input_ids, positions = self.cache.begin(batch, decode)
         h = self.model.hidden(input_ids, positions=positions, kv_cache=self.cache)
         logits = self.model.lm_head(h.reshape(-1, h.shape[-1])[self.cache.last_index]).float()
         self.stats["decode_tokens" if decode else "prefill_tokens"] += input_ids.numel()
-        self.stats["steps"] += 1
-        self.stats["prefill_steps"] += not decode
         for seq in batch:
             seq.num_cached = len(seq)
-        if not decode:
-            self.running.extend(batch)
-        return self._append_samples(batch, self._sample(batch, logits))
+        self.running.extend([] if decode else batch)
+        stopped = []
+        for seq, (token, logp, *raw) in zip(batch, self._sample(batch, logits)):
+            seq.append([int(token)], True, logp, raw[0] if raw else None)
+            if int(token) in seq.params.stop_token_ids or seq.num_response >= seq.params.max_tokens:
+                seq.finish_reason = "stop" if int(token) in seq.params.stop_token_ids else "length"
+                stopped.append(seq)
+        if stopped:
+            self.running = deque(s for s in self.running if s.finish_reason is None)
+            self.held += stopped
+        return stopped
 
     def _sample(self, batch, logits):
         params = [s.params for s in batch]
@@ -558,22 +494,6 @@ class Engine:
             cols.append(torch.log_softmax(logits, -1).gather(1, tokens[:, None])[:, 0].double())
         return torch.stack(cols, 1).tolist()  # the step's one read back to the host
 
-    def _append_samples(self, batch, rows):
-        stopped = []
-        for seq, row in zip(batch, rows):
-            seq.append_sampled(int(row[0]), row[1], row[2] if len(row) > 2 else None)
-            if seq.token_ids[-1] in seq.params.stop_token_ids:
-                seq.finish_reason = "stop"
-            elif seq.num_response >= seq.params.max_tokens:
-                seq.finish_reason = "length"
-            else:
-                continue
-            stopped.append(seq)
-        if stopped:
-            self.running = deque(s for s in self.running if s.finish_reason is None)
-            self.held += stopped
-        return stopped
-
 
 def sequence_seed(seed, index):
     """Each sequence's generator seed: reproducible per (seed, index), random when seed is None."""
@@ -588,19 +508,16 @@ def complete(model, prompts, max_new_tokens, temperature=0.0, top_p=1.0, top_k=0
     engine: an Engine to reuse (its pool and options; engine_kwargs are then ignored)."""
     budgets = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
     if engine is None:
-        engine_kwargs.setdefault("max_seq_lens", [len(p) + b for p, b in zip(prompts, budgets)])
-        engine = Engine(model, **engine_kwargs)
+        engine = Engine(model, **{"max_seq_lens": [len(p) + b for p, b in zip(prompts, budgets)], **engine_kwargs})
     engine.raw_logprobs = raw_logprobs
     seqs = [Sequence(p, SamplingParams(temperature, top_p, top_k, b, frozenset(stop_token_ids)), sequence_seed(seed, i))
             for i, (p, b) in enumerate(zip(prompts, budgets))]
-    for seq in seqs:
-        if seq.params.max_tokens > 0:
-            engine.add(seq)
+    engine.waiting += [s for s in seqs if s.params.max_tokens > 0]
     while engine.has_work():
         for seq in engine.step():
             engine.release(seq)
-    return [Completion(s.response_ids, s.logprobs, s.raw_logprobs if raw_logprobs else None, s.finish_reason or "length")
-            for s in seqs]
+    return [Completion(s.token_ids[s.num_prompt:], s.logprobs, s.raw_logprobs if raw_logprobs else None,
+                       s.finish_reason or "length") for s in seqs]
 
 
 def generate(model, prompts, max_new_tokens, temperature=0.0, top_p=1.0, stop_token_ids=(), seed=None, **kwargs):
@@ -610,18 +527,12 @@ def generate(model, prompts, max_new_tokens, temperature=0.0, top_p=1.0, stop_to
                                           stop_token_ids=stop_token_ids, seed=seed, **kwargs)]
 
 
-# -----------------------------------------------------------------------------
-# the chat protocol at the token level
-
-
 class ChatFormat:
-    """Token ids of the chat protocol, learned from the tokenizer's chat template and generation config.
-
-    Forced turns (tool replies; user turns in the REPL) come from rendering a conversation with
-    placeholder contents and cutting at the placeholders, so no format string is written here. The
-    template text is split at added tokens; the plain text between them, message contents included, is
-    encoded by the tokenizer's model alone (`plain_ids`), so no string in a message becomes an added token.
-    """
+    """Token ids of the chat protocol, from the tokenizer's chat template and generation config. Forced
+    turns (tool replies; user turns in the REPL) come from a rendering with placeholder contents cut at
+    the placeholders, so no format string is written here. The template text is split at added tokens;
+    the plain text between them, message contents included, goes through the tokenizer's model alone
+    (`plain_ids`), so no string in a message becomes an added token."""
 
     ASSISTANT, CONTENT = "ASSISTANT_PLACEHOLDER_5f1c", "CONTENT_PLACEHOLDER_{}_9d2e"
 
@@ -641,14 +552,13 @@ class ChatFormat:
         self._added_re = re.compile("(" + "|".join(map(re.escape, added)) + ")" if added else "(?!)")
         self._pieces = {}
 
-    def _render(self, messages, add_generation_prompt=False):
-        return self.tokenizer.apply_chat_template(messages, tools=self.tools, tokenize=False,
+    def _render(self, messages, add_generation_prompt=False, tokenize=False):
+        return self.tokenizer.apply_chat_template(messages, tools=self.tools, tokenize=tokenize, return_dict=False,
                                                   add_generation_prompt=add_generation_prompt)
 
     def prompt_ids(self, prompt, system=None):
-        messages = ([{"role": "system", "content": system}] if system is not None else []) + [{"role": "user", "content": prompt}]
-        return list(self.tokenizer.apply_chat_template(messages, tools=self.tools, add_generation_prompt=True,
-                                                       tokenize=True, return_dict=False))
+        system = [{"role": "system", "content": system}] if system is not None else []
+        return list(self._render(system + [{"role": "user", "content": prompt}], True, tokenize=True))
 
     def plain_ids(self, text):
         """text through the normalizer, pre-tokenizer and model only: the added-token pass (which
@@ -664,8 +574,7 @@ class ChatFormat:
         if (role, n) not in self._pieces:
             slots = [self.CONTENT.format(i) for i in range(n)]
             messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": self.ASSISTANT}]
-            text = self._render(messages + [{"role": role, "content": s} for s in slots], add_generation_prompt=True)
-            text = text.split(self.ASSISTANT, 1)[1]
+            text = self._render(messages + [{"role": role, "content": s} for s in slots], True).split(self.ASSISTANT, 1)[1]
             if not text.startswith(self.end_of_turn_text):
                 raise ValueError(f"chat template: assistant turn does not end with {self.end_of_turn_text!r}")
             text = text[len(self.end_of_turn_text):]
@@ -691,11 +600,10 @@ TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)  # as verl
 
 def parse_tool_calls(text, tool_name, max_calls=1):
     """The calls of one assistant turn, in order: a list of (code, error), exactly one of them None.
-
-    Blocks are found as verl finds them; a block that does not parse as a JSON object with a "name" is a
-    parse error there and does not count towards max_calls; of the calls that parse, the first max_calls
-    are kept and the others dropped (verl's max_parallel_calls). Each parse error, wrong tool, missing
-    code, and a <tool_call> left open after the last block becomes an error text where verl drops it."""
+    A block that is not a JSON object with a "name" is a parse error in verl: it does not count towards
+    max_calls. Of the calls that parse, the first max_calls are kept, the others dropped (verl's
+    max_parallel_calls). Parse errors, a wrong tool, missing code, and a <tool_call> still open after the
+    last block become error texts (verl drops them)."""
     calls, parsed, end = [], 0, 0
     for match in TOOL_CALL_RE.finditer(text):
         end = match.end()
@@ -708,28 +616,22 @@ def parse_tool_calls(text, tool_name, max_calls=1):
             calls.append((None, 'Error: a tool call is {"name": ..., "arguments": {...}}.'))
             continue
         parsed += 1
-        if parsed <= max_calls:
-            calls.append(check_call(call, tool_name))
+        if parsed > max_calls:
+            continue
+        args = call.get("arguments")
+        if isinstance(args, str):  # some models write the arguments as a JSON string
+            try:
+                args = json.loads(args)
+            except json.JSONDecodeError:
+                args = None
+        code = args.get("code") if isinstance(args, dict) else None
+        if call["name"] != tool_name:
+            calls.append((None, f"Error: unknown tool {call['name'][:64]!r}; the tool is {tool_name}."))
+        else:
+            calls.append((code, None) if isinstance(code, str) else (None, f'Error: {tool_name} needs a string argument "code".'))
     if "<tool_call>" in text[end:]:
         calls.append((None, "Error: the tool call is not closed with </tool_call>."))
     return calls
-
-
-def check_call(call, tool_name):
-    if call["name"] != tool_name:
-        return None, f"Error: unknown tool {call['name'][:64]!r}; the tool is {tool_name}."
-    args = call.get("arguments")
-    if isinstance(args, str):  # some models write the arguments as a JSON string
-        try:
-            args = json.loads(args)
-        except json.JSONDecodeError:
-            args = None
-    code = args.get("code") if isinstance(args, dict) else None
-    return (code, None) if isinstance(code, str) else (None, f'Error: {tool_name} needs a string argument "code".')
-
-
-# -----------------------------------------------------------------------------
-# the agent loop
 
 
 class Agent:
@@ -742,19 +644,10 @@ class Agent:
         self.pending = []                   # [(call record, Future)] of the turn being answered
 
     def trajectory(self, tokenizer):
-        seq = self.seq
-        return Trajectory(self.problem_index, self.sample_index, seq.token_ids[:seq.num_prompt], seq.response_ids,
-                          list(seq.mask), list(seq.logprobs), tokenizer.decode(seq.response_ids, skip_special_tokens=False),
-                          self.tool_calls, self.num_turns, self.finish_reason)
-
-
-def _future(value=None, error=None):
-    f = concurrent.futures.Future()
-    if error is not None:
-        f.set_exception(error)
-    else:
-        f.set_result(value)
-    return f
+        seq, response = self.seq, self.seq.token_ids[self.seq.num_prompt:]
+        return Trajectory(self.problem_index, self.sample_index, seq.token_ids[:seq.num_prompt], response, list(seq.mask),
+                          list(seq.logprobs), tokenizer.decode(response, skip_special_tokens=False), self.tool_calls,
+                          self.num_turns, self.finish_reason)
 
 
 class AgentLoop:
@@ -774,10 +667,8 @@ class AgentLoop:
         params = SamplingParams(cfg.temperature, cfg.top_p, cfg.top_k, cfg.max_response_tokens, self.chat.stop_ids)
         seeds = seeds or [sequence_seed(cfg.seed, k) for k in range(len(prompts))]
         agents = [Agent(i, j, Sequence(p, params, s)) for p, (i, j), s in zip(prompts, keys, seeds)]
-        by_seq = {id(a.seq): a for a in agents}
-        for a in agents:
-            self.engine.add(a.seq)
-        waiting = []  # agents whose tool calls are out
+        by_seq, waiting = {id(a.seq): a for a in agents}, []   # waiting: agents whose tool calls are out
+        self.engine.waiting += [a.seq for a in agents]
         while self.engine.has_work() or waiting:
             for a in [a for a in waiting if all(f.done() for _, f in a.pending)]:
                 waiting.remove(a)
@@ -798,25 +689,25 @@ class AgentLoop:
         """An assistant turn ended; True if its tool calls were sent off."""
         seq, cfg = agent.seq, self.config
         agent.num_turns += 1
-        if seq.finish_reason == "length":
-            return self._finish(agent, "length")
-        if seq.token_ids[-1] != self.chat.end_of_turn:  # an end id no template puts a reply after
-            return self._finish(agent, "eos")
         text = self.chat.tokenizer.decode(seq.token_ids[agent.turn_start:], skip_special_tokens=False)
         calls = parse_tool_calls(text, self.chat.tool_name, cfg.max_parallel_calls)
-        if not calls:
-            return self._finish(agent, "stop")
-        if agent.num_turns >= cfg.max_turns:
-            return self._finish(agent, "max_turns")
-        if seq.num_response >= seq.params.max_tokens:  # no room for a reply: do not run the calls
-            return self._finish(agent, "length")
+        reason = ("length" if seq.finish_reason == "length" else
+                  "eos" if seq.token_ids[-1] != self.chat.end_of_turn else  # no template renders a reply after it
+                  "stop" if not calls else
+                  "max_turns" if agent.num_turns >= cfg.max_turns else
+                  "length" if seq.num_response >= seq.params.max_tokens else None)  # no room for a reply
+        if reason:
+            return self._finish(agent, reason)
         for code, error in calls:
             record = {"code": code, "status": "bad_call" if error else None, "output": error or "", "turn": agent.num_turns - 1}
-            try:
-                future = _future() if error else self.submit(self.prepare_code(code), timeout=cfg.tool_timeout,
-                                                             memory_mb=cfg.tool_memory_mb)
-            except Exception as e:  # a closed or broken pool: answered below like a failure inside the Future
-                future = _future(error=e)
+            future = concurrent.futures.Future()
+            if error:
+                future.set_result(None)
+            else:
+                try:
+                    future = self.submit(self.prepare_code(code), timeout=cfg.tool_timeout, memory_mb=cfg.tool_memory_mb)
+                except Exception as e:  # a closed or broken pool: answered like a failure inside the Future
+                    future.set_exception(e)
             agent.pending.append((record, future))
         return True
 
@@ -834,7 +725,7 @@ class AgentLoop:
         forced = self.chat.forced_ids("tool", outputs)
         room = seq.params.max_tokens - seq.num_response
         if len(forced) >= room:  # no room to sample after the reply: cut it at the budget
-            seq.append_forced(forced[:room])
+            seq.append(forced[:room], sampled=False)
             return self._finish(agent, "length")
         self.engine.resume(seq, forced)
         agent.turn_start = len(seq)
@@ -857,8 +748,7 @@ def rollout(model, tokenizer, problems, config, sandbox=None, seeds=None, engine
         prompts += [ids] * config.n
         keys += [(i, j) for j in range(config.n)]
     if engine is None:
-        engine_kwargs.setdefault("max_seq_lens", [len(p) + config.max_response_tokens for p in prompts])
-        engine = Engine(model, **engine_kwargs)
+        engine = Engine(model, **{"max_seq_lens": [len(p) + config.max_response_tokens for p in prompts], **engine_kwargs})
     per_sequence = [sequence_seed(seeds[i], j) for i, j in keys] if seeds is not None else None
     agents = AgentLoop(engine, chat, config, sandbox).run(prompts, keys, per_sequence)
     return [a.trajectory(tokenizer) for a in agents]

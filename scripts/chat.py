@@ -1,0 +1,55 @@
+"""Chat with a checkpoint that can call the code tool:
+    python scripts/chat.py --model DIR [--device cuda] [--temperature 0.7] [--max_turns 8] ...
+Every RolloutConfig field is a flag (--seed -1: random). /reset starts over, /quit (or ctrl-d) leaves.
+The conversation stays as token ids between turns (token in, token out)."""
+import os
+import sys
+import time
+from dataclasses import dataclass, fields
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from common import parse_config  # noqa: E402
+from rollout import AgentLoop, ChatFormat, Engine, RolloutConfig  # noqa: E402
+
+
+@dataclass
+class ChatConfig(RolloutConfig):
+    model: str = ""       # a Hugging Face checkpoint directory
+    device: str = "auto"
+    seed: int = -1        # -1: a random seed each turn
+
+
+def main(argv):
+    from transformers import AutoTokenizer
+    from model import Transformer
+    from sandbox import TOOL_SCHEMA
+    args = parse_config(ChatConfig, argv, __doc__)
+    config = RolloutConfig(**{f.name: getattr(args, f.name) for f in fields(RolloutConfig)})
+    config.seed = None if args.seed < 0 else args.seed
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    model, tokenizer = Transformer.from_pretrained(args.model, device=device), AutoTokenizer.from_pretrained(args.model)
+    chat, ids = ChatFormat(tokenizer, TOOL_SCHEMA), None
+    print(f"loaded {args.model} on {device}; /reset starts over, /quit (or ctrl-d) leaves")
+    while (line := input("\nyou> ").strip()) not in ("/quit", "/exit"):
+        if line == "/reset" or not line:
+            ids = None if line == "/reset" else ids
+            continue
+        if ids is None:
+            ids = chat.prompt_ids(line)
+        else:  # a trajectory cut by the budget has no end-of-turn token yet
+            ids += ([] if ids[-1] in chat.stop_ids else [chat.end_of_turn]) + chat.forced_ids("user", [line])
+        engine, t0 = Engine(model, max_num_seqs=1, max_seq_lens=[len(ids) + config.max_response_tokens]), time.time()
+        traj = AgentLoop(engine, chat, config).run([ids], [(0, 0)])[0].trajectory(tokenizer)
+        n = len(traj.response_ids)
+        print(f"\nassistant> {traj.text}\n[{n} tokens, {len(traj.tool_calls)} tool calls, {traj.finish_reason}, "
+              f"{n / (time.time() - t0):.1f} tok/s]")
+        ids = ids + traj.response_ids
+
+
+if __name__ == "__main__":
+    try:
+        main(sys.argv[1:])
+    except (EOFError, KeyboardInterrupt):
+        pass
