@@ -1,11 +1,13 @@
-"""sandbox.py under attack: every property of issue 3 is a real attack that must be
+"""sandbox.py under attack: every property of issues 3 and 15 is a real attack that must be
 contained (not a mock), followed by the same checks: no process left, no run directory
 left, the workers untouched, and the next run works. Then the code-interpreter helpers and
-the unit-test runner. Attacks are bounded (a fork storm of 200, a 400 MiB disk fill) so a
-regression cannot take the machine down. Linux only; well under a minute on 2 cores."""
+the grader with real-data shapes. Attacks are bounded (a fork storm of 200, a 400 MiB disk
+fill) so a regression cannot take the machine down. No wall-clock bounds: behaviour is
+checked by what ran. Linux only; well under a minute on 2 cores."""
 import concurrent.futures
 import ctypes
 import errno
+import hashlib
 import json
 import os
 import platform
@@ -114,6 +116,29 @@ def attack(box, code, timeout=1.0, allowed=(), **options):
     return result, elapsed
 
 
+def wait_ready(box, count=2):
+    deadline = time.monotonic() + 30
+    while len(box.worker_pids()) < count or not all(w and w.ready for w in box._workers):
+        assert time.monotonic() < deadline, "workers not ready"
+        time.sleep(0.05)
+
+
+def wait_for_a_run(box, asleep=False):
+    """Until some worker has forked a run (a child process exists below it), or, with
+    `asleep`, until that run sits in its time.sleep (clock_nanosleep), well past set-up."""
+    nanosleep = {"x86_64": "230", "aarch64": "115"}[platform.machine()]
+
+    def sleeping(pid):
+        try:
+            return open(f"/proc/{pid}/syscall").read().split()[0] == nanosleep
+        except (OSError, IndexError):
+            return False
+    deadline = time.monotonic() + 30
+    while not any(not asleep or sleeping(child) for pid in box.worker_pids() for child in descendants(pid)):
+        assert time.monotonic() < deadline, "no run started"
+        time.sleep(0.02)
+
+
 def syscall_number(name):
     return sandbox._SYSCALLS.get(platform.machine(), {}).get(name)
 
@@ -123,7 +148,7 @@ def box():
     os.environ["SANDBOX_TEST_SECRET"] = SECRET       # a token in the host environment
     libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     baseline = set(descendants(os.getpid()))
-    pool = Sandbox(workers=2, concurrency=2)
+    pool = Sandbox(workers=2)
     pool.capabilities()
     pool.baseline = baseline
     yield pool
@@ -141,15 +166,32 @@ def caps(box):
 
 def test_capabilities_are_in_force(caps):
     print(json.dumps(caps, indent=1))
-    assert caps["process_group"] and caps["rlimits"] and caps["no_new_privs"]
-    if platform.machine() in sandbox._SYSCALLS:
-        assert caps["seccomp"] and caps["verified"]["fork_blocked"]
-        assert caps["verified"]["inet_blocked"] and caps["verified"]["signals_blocked"]
-    if sandbox.landlock_abi():
-        assert caps["landlock_abi"] == sandbox.landlock_abi()
-        assert caps["verified"]["host_fs_blocked"]
-    assert caps["verified"]["workdir_writable"] and caps["verified"]["threads_work"]
+    assert caps["process_group"] and caps["seccomp"] == f"bpf filter ({platform.machine()})"
+    assert caps["landlock_abi"] == sandbox.landlock_abi() >= 1 and caps["namespace"] == "mount"
+    assert all(caps["verified"].values()), caps["verified"]    # each measured inside a run
+    assert set(caps["verified"]) >= {"fork_blocked", "inet_blocked", "unix_bind_blocked",
+                                     "host_file_blocked", "host_read_only", "no_new_privs",
+                                     "capabilities_dropped", "stdin_read_only", "workdir_writable"}
+    assert caps["tasks"]["measured"] == caps["tasks"]["max"] == sandbox.MAX_TASKS
+    assert caps["tasks"]["mechanism"].startswith("pids cgroup")
+    assert caps["disk_quota"] == f"tmpfs {sandbox.DEFAULT_DISK_MB} MiB"
+    assert caps["rlimits"]["NOFILE"] == sandbox.MAX_OPEN_FILES and caps["rlimits"]["FSIZE"] > 0
     assert caps["worker_threads"] == 1                # forking a threaded worker is unsafe
+
+
+@pytest.mark.parametrize("patch,named", [
+    (("landlock_abi", lambda: 0), "Landlock"), (("_pids_cgroup", lambda: (None, None)), "pids cgroup"),
+    (("_ARCH", "riscv64"), "seccomp filter for riscv64")])
+def test_a_missing_layer_stops_the_pool(monkeypatch, patch, named):
+    monkeypatch.setattr(sandbox, *patch)              # fail closed, naming what is missing
+    with pytest.raises(RuntimeError, match=named):
+        Sandbox(workers=1)
+
+
+def test_not_root_stops_the_pool(monkeypatch):
+    monkeypatch.setattr(sandbox.os, "geteuid", lambda: 1000)
+    with pytest.raises(RuntimeError, match="root"):
+        Sandbox(workers=1)
 
 
 def test_exit_codes_and_statuses(box):
@@ -213,20 +255,19 @@ def test_threads_keep_working(box):
 
 def test_infinite_loop(box):
     r, elapsed = attack(box, "while True:\n    pass", timeout=1.0)
-    assert r.status == "timeout" and r.returncode == -signal.SIGKILL
-    assert 1.0 <= r.seconds < 2.5 and elapsed < 4
+    assert r.status == "timeout" and r.returncode == -signal.SIGKILL and r.seconds >= 1.0
 
 
 def test_sleep(box):
     r, elapsed = attack(box, "import time\ntime.sleep(60)", timeout=1.0)
-    assert r.status == "timeout" and elapsed < 4
+    assert r.status == "timeout"
 
 
 def test_sigterm_ignored(box):
     code = ("import signal\nfor s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGXCPU):\n"
             "    signal.signal(s, signal.SIG_IGN)\nprint('ignoring', flush=True)\nwhile True:\n    pass")
     r, elapsed = attack(box, code, timeout=1.0)
-    assert r.status == "timeout" and r.stdout == "ignoring\n" and elapsed < 4
+    assert r.status == "timeout" and r.stdout == "ignoring\n"
 
 
 # ----------------------------------------------------------------------------- processes
@@ -387,16 +428,13 @@ def test_no_inherited_descriptors_and_parent_death_signal_kept(box):
 def test_pool_worker_killed_from_outside(box):
     old = sorted(box.worker_pids())
     future = box.submit("import time\nprint('started', flush=True)\ntime.sleep(30)", timeout=20)
-    time.sleep(0.5)
+    wait_for_a_run(box, asleep=True)
     for pid in old:
         os.kill(pid, signal.SIGKILL)
     lost = future.result(timeout=20)
     assert lost.status == "killed" and "worker" in lost.stderr, lost
     assert box.run("print('back')", timeout=10).stdout == "back\n"   # restarted
-    deadline = time.monotonic() + 20
-    while len(box.worker_pids()) < 2 or not all(w.ready for w in box._workers):
-        assert time.monotonic() < deadline, "workers were not restarted"
-        time.sleep(0.05)
+    wait_ready(box)
     assert not set(box.worker_pids()) & set(old) and len(box.worker_pids()) == 2
     assert_contained(box)                        # the sleeping run died with its worker
     assert sorted(os.listdir(box.root)) == sorted(os.path.basename(w.dir) for w in box._workers)
@@ -435,7 +473,7 @@ def test_close_stops_workers_and_removes_everything():
     pool.capabilities()
     workers, root = pool.worker_pids(), pool.root
     running = pool.submit("import time; time.sleep(30)", timeout=30)
-    time.sleep(0.3)
+    wait_for_a_run(pool)
     pool.close()
     assert running.result(timeout=10).status == "killed"
     assert not os.path.exists(root)
@@ -573,34 +611,10 @@ except OSError as exc:
 print(json.dumps([written >> 20, sorted(errors), count]))
 """
     r, _ = attack(box, code, timeout=10, disk_mb=16)
-    if caps["disk_quota"] == "tmpfs":
-        written, errs, count = json.loads(r.stdout)
-        assert written <= 16, r
-        assert set(errs) <= {errno.ENOSPC, errno.EFBIG} and errno.ENOSPC in errs, r
-        assert count <= sandbox.DEFAULT_MAX_FILES, r
-    else:                                     # polling: the run is killed over quota
-        assert r.status == "error" and "quota" in r.stderr, r
-
-
-def test_degraded_pool_still_runs_and_says_so(box, caplog):
-    """Without namespaces (old kernels, some containers) there is no tmpfs quota: the
-    worker polls the directory and kills a run over quota; the pool warns and reports it."""
-    sandbox._warned.clear()
-    with caplog.at_level("WARNING", logger="sandbox"):
-        with Sandbox(workers=1, preimport=(), namespaces=False) as degraded:
-            caps = degraded.capabilities()
-            assert caps["disk_quota"] == "polling" and caps["namespace"] is None
-            assert caps["host_read_only"] is False
-            assert degraded.run("print('works')").stdout == "works\n"
-            code = ("import os\nfor i in range(200):\n    with open(f'f{i}', 'wb') as f:\n"
-                    "        f.write(b'x' * (1 << 20))\n        os.fsync(f.fileno())\n"
-                    "print('WROTE ALL')")
-            r = degraded.run(code, timeout=10, disk_mb=8)      # 200 MiB at most, to real disk
-            assert r.status == "error" and "quota" in r.stderr and "WROTE ALL" not in r.stdout, r
-            for name in os.listdir(degraded.root):
-                assert os.listdir(os.path.join(degraded.root, name)) == []
-            assert degraded.run("import os; os.fork()").status == "error"   # seccomp still on
-    assert any("polling" in rec.getMessage() for rec in caplog.records)
+    written, errs, count = json.loads(r.stdout)
+    assert written <= 16, r
+    assert set(errs) <= {errno.ENOSPC, errno.EFBIG} and errno.ENOSPC in errs, r
+    assert count <= sandbox.MAX_FILES, r
 
 
 # ----------------------------------------------------------------------------- network
@@ -749,7 +763,7 @@ def test_thread_storm(box):
             "        started += 1\nexcept RuntimeError:\n    print('refused after', started, flush=True)\n"
             "time.sleep(30)")
     r, elapsed = attack(box, code, timeout=1.5, memory_mb=256)
-    assert r.status == "timeout" and elapsed < 5, r
+    assert r.status == "timeout", r
 
 
 def test_segfault(box):
@@ -776,7 +790,7 @@ def test_deep_recursion(box):
 
 def test_timeouts_do_not_leak_into_other_runs(box):
     slow, fast = box.run_many(["while True: pass", "print('fast')"], timeout=1.0)
-    assert slow.status == "timeout" and fast.status == "ok" and fast.seconds < 1.0
+    assert (slow.status, fast.status, fast.stdout) == ("timeout", "ok", "fast\n")
 
 
 def test_module_level_api():
@@ -854,10 +868,8 @@ def test_run_tests_stdin_programs(box):
     assert run_tests(wrong, STDIN_TESTS, timeout=2, sandbox=box) == [False, False, True, False]
     crash = "raise ValueError('boom')"
     assert run_tests(crash, STDIN_TESTS, timeout=2, sandbox=box) == [False] * 4
-    started = time.monotonic()
     loop = "a, b = map(int, input().split())\nwhile a > 4:\n    pass\nprint(a + b)"
     assert run_tests(loop, STDIN_TESTS, timeout=1, sandbox=box) == [True, False, True, False]
-    assert time.monotonic() - started < 6                 # the looping cases ran concurrently
     assert run_tests("", STDIN_TESTS, sandbox=box) == [False] * 4
     assert run_tests(correct, {"fn_name": None, "cases": []}, sandbox=box) == []
 
@@ -918,10 +930,7 @@ def test_run_tests_stop_on_failure(box, monkeypatch):
 def test_jobs_sent_to_a_dying_worker_are_sent_again(box):
     # Workers frozen before they read their jobs, then killed: the jobs never started,
     # so the pool re-sends them to the replacements instead of reporting them killed.
-    deadline = time.monotonic() + 20
-    while len(box.worker_pids()) < 2 or not all(w.ready for w in box._workers):
-        assert time.monotonic() < deadline, "workers not ready"
-        time.sleep(0.05)
+    wait_ready(box)
     old = box.worker_pids()
     for pid in old:
         os.kill(pid, signal.SIGSTOP)
@@ -931,3 +940,228 @@ def test_jobs_sent_to_a_dying_worker_are_sent_again(box):
         os.kill(pid, signal.SIGKILL)
     results = [f.result(timeout=30) for f in futures]
     assert [(r.status, r.stdout) for r in results] == [("ok", "0\n"), ("ok", "1\n")], results
+
+
+# ----------------------------------------------------------------------------- issue 15
+
+# Finds copies of SBXMARK<32 hex> in memory the run can read, the way an attacker would
+# without /proc/self/maps (Landlock hides /proc): from seeds (the heap's break, fresh
+# mallocs, addresses of live objects) it widens each to the run of readable pages around
+# it, probing a page with write(2) to a pipe, which fails with EFAULT instead of crashing.
+# It holds only the markers' digests, never a marker.
+HEAP_SCAN = r'''
+import ctypes, gc, hashlib, json, os, re
+libc = ctypes.CDLL(None, use_errno=True)
+libc.sbrk.restype = libc.malloc.restype = ctypes.c_void_p
+libc.write.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t]
+PAGE = os.sysconf("SC_PAGE_SIZE")
+r, w = os.pipe()
+def readable(addr):
+    if addr <= PAGE or libc.write(w, addr, 1) != 1:
+        return False
+    os.read(r, 1)
+    return True
+def extent(addr, limit=1 << 30):
+    lo = hi = addr & ~(PAGE - 1)
+    while hi - lo < limit and readable(lo - PAGE):
+        lo -= PAGE
+    while hi - lo < limit and readable(hi):
+        hi += PAGE
+    return lo, hi
+seeds = [libc.sbrk(0) - 1] + [libc.malloc(n) for n in (16, 4096, 100000, 1 << 20)]
+seeds += [id(o) for o in gc.get_objects()[::100]]
+regions = []
+for seed in seeds:
+    if seed and not any(lo <= seed < hi for lo, hi in regions) and readable(seed):
+        regions.append(extent(seed))
+digests, found, scanned = DIGESTS, [], 0
+for lo, hi in regions:
+    data = ctypes.string_at(lo, hi - lo)
+    scanned += len(data)
+    found += [digests[d] for d in (hashlib.sha256(m.group()).hexdigest()
+                                   for m in re.finditer(rb"SBXMARK[0-9a-f]{32}", data)) if d in digests]
+print(json.dumps([sorted(set(found)), scanned >> 20]))
+'''
+
+
+def test_no_job_data_left_in_the_worker_between_runs():
+    """Issue 15.1: a run scanning its own memory must not find an earlier run's program,
+    stdin or output: the zygote that forks runs never holds any of them."""
+    markers = {kind: "SBXMARK" + secrets.token_hex(16) for kind in ("code", "stdin", "output")}
+    digests = {hashlib.sha256(m.encode()).hexdigest(): kind for kind, m in markers.items()}
+    program = (f"# {markers['code']}\n" + "# padding the program to 66 KB\n" * 2200 +
+               f"print(input()[:7], {markers['output'][::-1]!r}[::-1])\n")
+    assert len(program) > 66_000
+    with Sandbox(workers=1) as pool:                 # one worker: both runs fork from it
+        first = pool.run(program, stdin=markers["stdin"] + "x" * 70_000 + "\n")
+        assert first.status == "ok" and markers["output"] in first.stdout, first
+        scan = pool.run(HEAP_SCAN.replace("DIGESTS", repr(digests)), timeout=60)
+    found, scanned_mib = json.loads(scan.stdout)
+    assert scan.status == "ok" and scanned_mib > 10, scan
+    assert found == [], f"the run found the earlier run's {found}"
+
+
+def test_nothing_about_the_expected_output_is_reachable(box, monkeypatch):
+    """Issue 15.2: the output limit is fixed, and no frame, global or module of the run
+    holds the test's expected output or its length."""
+    length = 5_123_457                    # above any pid, so it cannot match one by chance
+    expected = (SECRET + "\n") * (length // (len(SECRET) + 1))
+    length = len(expected)
+    peek = ("import sys\nseen, frame = [], sys._getframe()\nwhile frame:\n"
+            "    seen.append(repr(frame.f_locals) + repr(sorted(frame.f_globals.items(), key=str)))\n"
+            "    frame = frame.f_back\nprint(''.join(seen))")
+    results, submit = [], box.submit
+    monkeypatch.setattr(box, "submit", lambda *a, **kw: results.append(submit(*a, **kw)) or results[-1])
+    assert run_tests(peek, {"fn_name": None, "cases": [{"input": "", "output": expected}]},
+                     timeout=10, sandbox=box) == [False]
+    seen = results[0].result().stdout
+    assert results[0].result().status == "ok" and "_run_user_code" in seen
+    for leak in (SECRET, str(length), str(2 * length + 4096), str(len(expected.encode()))):
+        assert leak not in seen, leak
+
+
+def test_stdin_is_a_read_only_pipe(box):
+    """Issue 15.3: a large stdin used to be a read-write file on the host's disk."""
+    code = ("import errno, os, stat, sys\nkind = 'pipe' if stat.S_ISFIFO(os.fstat(0).st_mode) else 'FILE'\n"
+            "try:\n    os.write(0, b'x' * (64 << 20))\n    wrote = 'WROTE'\nexcept OSError as exc:\n"
+            "    wrote = errno.errorcode[exc.errno]\nprint(kind, wrote, len(sys.stdin.read()))")
+    r, _ = attack(box, code, timeout=10, stdin="y" * (1 << 20))
+    assert r.stdout == f"pipe EBADF {1 << 20}\n", r
+
+
+def test_abstract_unix_socket_cannot_be_offered_to_the_host(box):
+    """Issue 15.4: abstract names live in the host's network namespace, so a listener
+    bound there was reachable from outside. bind and listen are refused."""
+    name = "\0sandbox-test-" + secrets.token_hex(4)
+    code = f"""
+import socket
+attempts = {{}}
+def attempt(what, action):
+    try:
+        attempts[what] = action()
+    except OSError:
+        attempts[what] = "blocked"
+def listen():
+    s = socket.socket(socket.AF_UNIX)
+    s.bind({name!r})
+    s.listen(1)
+    s.settimeout(10)
+    s.accept()                         # only reached if the refusals regress
+    return "ACCEPTED"
+attempt("listen", listen)
+attempt("bind a socketpair end", lambda: socket.socketpair()[0].bind({name!r} + "2") or "BOUND")
+print(attempts)
+"""
+    future = box.submit(code, timeout=15)
+    reached = False
+    while not future.done():              # the host tries to connect while the run lives
+        probe = socket.socket(socket.AF_UNIX)
+        try:
+            probe.connect(name)
+            reached = True
+        except OSError:
+            time.sleep(0.01)
+        finally:
+            probe.close()
+    r = future.result()
+    assert eval(r.stdout) == {"listen": "blocked", "bind a socketpair end": "blocked"}, r
+    assert not reached
+
+
+def test_threads_per_run_are_bounded(box, caps):
+    """Issue 15.5: at most MAX_TASKS tasks per run (a pids cgroup), whatever the memory."""
+    code = ("import os, threading\nthreading.stack_size(1 << 18)\nevent, started = threading.Event(), 0\n"
+            "try:\n    for _ in range(300):\n        threading.Thread(target=event.wait, daemon=True).start()\n"
+            "        started += 1\nexcept RuntimeError:\n    pass\nevent.set()\n"
+            "try:\n    open('/sys/fs/cgroup/pids/cgroup.procs', 'w').write(str(os.getpid()))\n"
+            "    escaped = 'ESCAPED'\nexcept OSError:\n    escaped = 'stayed'\nprint(started, escaped)")
+    r, _ = attack(box, code, timeout=10, memory_mb=1024)
+    started, escaped = r.stdout.split()
+    assert 100 <= int(started) < 300 and escaped == "stayed", r
+    assert int(started) == caps["tasks"]["max"] - 1          # the main thread is the other one
+
+
+def test_user_code_does_not_inherit_our_future_imports(box):
+    """Issue 15.6: sandbox.py has `from __future__ import annotations`; user code must not."""
+    r = box.run("x: int = 1\nprint(__annotations__)")
+    assert r.stdout == "{'x': <class 'int'>}\n", r
+
+
+# ----------------------------------------------------------------------------- grading, real shapes
+
+def test_grading_stdin_by_livecodebench_rules(box):
+    def grade(program, output, stdin="3\n"):
+        return run_tests(program, {"fn_name": None, "cases": [{"input": stdin, "output": output}]},
+                         timeout=5, sandbox=box)[0]
+    assert grade("print(int(input()))", "3.0") and grade("print(0.50)", "0.5\n")
+    assert grade("print(1, 2.0)", "1.00 2") and grade("print(' 3 ')\nprint()\n", "\n3\n\n")
+    assert not grade("print(3)\nprint(4)", "3") and not grade("print('a 3')", "a 3.0")
+    assert not grade("print(3.0001)", "3")
+    assert grade("import sys\nprint(3)\nsys.exit(1)", "3") and grade("print(3)\nexit()", "3")
+    assert not grade("print(3)\nraise ValueError", "3")
+    prelude = "print(gcd(6, 9), deque([1]).pop(), List, bisect_left([1, 5], 3), isqrt(10), accumulate)"
+    assert grade(prelude, "3 1 typing.List 1 3 <class 'itertools.accumulate'>")
+    deep = "def f(n):\n    return 0 if n == 0 else 1 + f(n - 1)\nprint(f(30000))"
+    assert grade(deep, "30000")                      # sys.setrecursionlimit(50000)
+    main = "def main():\n    print(int(open(0).read()) * 2)\nif __name__ == '__main__':\n    main()"
+    assert grade(main, "6")
+
+
+FUNCTIONAL = {"fn_name": "twoSum", "cases": [{"input": "[2,7,11,15]\n9", "output": "[0, 1]"},
+                                             {"input": "[3,2,4]\n6", "output": "[1, 2]"}]}
+
+
+def test_grading_functional_by_livecodebench_rules(box):
+    def grade(program, tests=FUNCTIONAL):
+        return run_tests(program, tests, timeout=5, sandbox=box)
+    method = ("class Solution:\n    def twoSum(self, nums: List[int], target: int) -> List[int]:\n"
+              "        seen = {}\n        for i, n in enumerate(nums):\n            if target - n in seen:\n"
+              "                return seen[target - n], i\n            seen[n] = i\n")
+    assert grade(method) == [True, True]                         # a tuple is taken as a list
+    assert grade(method + "if __name__ == '__main__':\n    input()\n") == [True, True]   # not __main__
+    assert grade("def twoSum(nums, target):\n    return [0, 1]") == [True, False]        # no class
+    assert grade("import numpy as np\ndef twoSum(nums, target):\n    return np.array([0, 1])") == [True, False]
+    assert grade("def twoSum(nums, target):\n    return [(0, 1)]") == [False, False]     # nested: exact
+    numbers = {"fn_name": "count", "cases": [{"input": "[1, 2, 3]", "output": "3"},
+                                             {"input": "{\"a\": [1]}", "output": "{\"a\": [1]}"}]}
+    numpy_int = "import numpy as np\ndef count(x):\n    return np.int64(3) if isinstance(x, list) else x"
+    assert grade(numpy_int, numbers) == [True, True]
+    assert grade("def count(x):\n    return '3' if isinstance(x, list) else {'a': (1,)}", numbers) == [False, False]
+
+
+def test_grading_taco_call_based_wrapped_outputs(box):
+    # TACO row {"fn_name": "total", "inputs": [[[40, 8]], [[20]]], "outputs": [[48], [20]]},
+    # converted: one JSON argument per input line, outputs still wrapped.
+    taco = {"fn_name": "total", "wrapped": True,
+            "cases": [{"input": "[40, 8]", "output": "[48]"}, {"input": "[20]", "output": "[20]"}]}
+    assert run_tests("def total(xs):\n    return sum(xs)", taco, timeout=5, sandbox=box) == [True, True]
+    assert run_tests("def total(xs):\n    return [sum(xs)]", taco, timeout=5, sandbox=box) == [True, True]
+    assert run_tests("def total(xs):\n    return 48", taco, timeout=5, sandbox=box) == [True, False]
+    assert run_tests("def total(xs):\n    return sum(xs)", dict(taco, wrapped=False), timeout=5,
+                     sandbox=box) == [False, False]
+
+
+LEETCODE_ROW = {  # an assert-style row of Open-AgentRL-30K, as data/prepare.py converts it
+    "fn_name": None, "cases": [], "entry_point": "Solution().twoSum",
+    "import_prefix": "import random\nimport functools\nimport collections\nfrom typing import *\n"
+                     "from collections import *\nfrom itertools import *\n",
+    "test_code": "def check(candidate):\n    assert candidate(nums = [2,7,11,15], target = 9) == [0,1]\n\n"
+                 "    assert candidate(nums = [3,2,4], target = 6) == [1,2]\n"
+                 "    assert candidate(nums = [3,3], target = 6) == [0,1]\n"}
+
+
+def test_grading_assert_style_rows(box, monkeypatch):
+    correct = ("class Solution:\n    def twoSum(self, nums: List[int], target: int) -> List[int]:\n"
+               "        seen = defaultdict(int)\n        for i, n in enumerate(nums):\n"
+               "            if target - n in seen:\n                return [seen[target - n], i]\n"
+               "            seen[n] = i\n")
+    codes, submit = [], box.submit
+    monkeypatch.setattr(box, "submit", lambda code, *a, **kw: codes.append(code) or submit(code, *a, **kw))
+    assert run_tests(correct, LEETCODE_ROW, timeout=5, sandbox=box) == [True, True, True]
+    assert len(codes) == 3 and codes[0].endswith(
+        "def check(candidate):    assert candidate(nums = [2,7,11,15], target = 9) == [0,1]"
+        "\ncheck(Solution().twoSum)")                   # one run per test line, upstream's layout
+    always = "class Solution:\n    def twoSum(self, nums, target):\n        return [0, 1]"
+    assert run_tests(always, LEETCODE_ROW, timeout=5, sandbox=box) == [True, False, True]
+    assert run_tests("class Solution:\n    def twoSum(self", LEETCODE_ROW, sandbox=box) == [False] * 3
+    assert run_tests("", LEETCODE_ROW, sandbox=box) == [False] * 3
