@@ -168,7 +168,7 @@ _OWN, _GROUP = "own", "group"      # the run's pid and -pid, filled in by each c
 _PR_SET_PDEATHSIG, _PR_CAPBSET_DROP, _PR_SET_SECCOMP, _PR_SET_SECUREBITS = 1, 24, 22, 28
 _PR_SET_CHILD_SUBREAPER, _PR_SET_NO_NEW_PRIVS, _PR_CAP_AMBIENT = 36, 38, 47
 _LL_EXECUTE, _LL_WRITE, _LL_READ, _LL_READ_DIR, _LL_MAKE_CHAR, _LL_MAKE_BLOCK = 1, 2, 4, 8, 64, 2048
-_LL_REFER, _LL_TRUNCATE, _LL_IOCTL_DEV = 8192, 16384, 32768
+_LL_REFER, _LL_TRUNCATE, _LL_IOCTL_DEV = 8192, 16384, 32768   # ABI 2, 3, 5
 _SETUP_FAILED = 125                # exit code of a child that could not confine itself
 
 
@@ -178,14 +178,13 @@ def _check(ret: int, what: str) -> int:
     return ret
 
 
-def _syscall(number: int, *args, what: str = "syscall") -> int:
-    return _check(_libc.syscall(ctypes.c_long(number), *[
-        a if isinstance(a, ctypes.Array) else ctypes.c_long(a) for a in args]), what)
+def _syscall(number: int, *args, what: str = "syscall") -> int:   # buffers as pointers, the rest as longs
+    return _check(_libc.syscall(ctypes.c_long(number), *[a if isinstance(a, ctypes.Array) else ctypes.c_long(a)
+                                                         for a in args]), what)
 
 
 def _prctl(option: int, a2: int = 0, a3: int = 0) -> int:
-    return _check(_libc.prctl(ctypes.c_int(option), ctypes.c_ulong(a2), ctypes.c_ulong(a3),
-                              ctypes.c_ulong(0), ctypes.c_ulong(0)), f"prctl({option})")
+    return _check(_libc.prctl(*map(ctypes.c_ulong, (option, a2, a3, 0, 0))), f"prctl({option})")
 
 
 def _seccomp_filter() -> list:
@@ -239,29 +238,25 @@ class _Landlock:
     worker keeps open; a child adds its working directory and restricts itself."""
 
     def __init__(self, abi: int, read_paths: list):
-        self.handled = (1 << 13) - 1 | (_LL_REFER if abi >= 2 else 0) | \
-            (_LL_TRUNCATE if abi >= 3 else 0) | (_LL_IOCTL_DEV if abi >= 5 else 0)
-        net, scope = 3 if abi >= 4 else 0, 3 if abi >= 6 else 0  # TCP bind+connect; sockets+signals
-        self.attr = ctypes.create_string_buffer(struct.pack("QQQ", self.handled, net, scope), 24)
-        self.size = 8 if abi < 4 else 16 if abi < 6 else 24
-        rw, file_rights = _LL_READ | _LL_WRITE | _LL_TRUNCATE | _LL_IOCTL_DEV, _LL_EXECUTE | _LL_WRITE | \
-            _LL_READ | _LL_TRUNCATE | _LL_IOCTL_DEV
-        wanted = [(path, _LL_READ | _LL_READ_DIR) for path in read_paths] + [
-            ("/dev/null", rw), ("/dev/full", rw), ("/dev/zero", _LL_READ), ("/dev/urandom", _LL_READ),
-            ("/dev/random", _LL_READ)]
+        self.handled = (1 << 13) - 1 | _LL_REFER * (abi >= 2) | _LL_TRUNCATE * (abi >= 3) | _LL_IOCTL_DEV * (abi >= 5)
+        net, scope = 3 * (abi >= 4), 3 * (abi >= 6)      # TCP bind+connect; abstract sockets+signals
+        self.attr, self.size = struct.pack("QQQ", self.handled, net, scope), 8 if abi < 4 else 16 if abi < 6 else 24
+        rw = _LL_READ | _LL_WRITE | _LL_TRUNCATE | _LL_IOCTL_DEV
+        wanted = [(path, _LL_READ | _LL_READ_DIR) for path in read_paths] + [(f"/dev/{name}", rw) for name in (
+            "null", "full")] + [(f"/dev/{name}", _LL_READ) for name in ("zero", "urandom", "random")]
         self.fds, self.rules = [], []
         for path, rights in filter(lambda item: os.path.exists(item[0]), wanted):
             self.fds.append(os.open(path, os.O_PATH | os.O_CLOEXEC))
-            rights &= self.handled & (~0 if os.path.isdir(path) else file_rights)
-            self.rules.append(ctypes.create_string_buffer(struct.pack("=Qi", rights, self.fds[-1]), 12))
+            self.rules.append((rights & self.handled & (~0 if os.path.isdir(path) else rw | _LL_EXECUTE), self.fds[-1]))
 
     def install(self) -> None:
         """Confine this process; the working directory is the current one."""
-        ruleset = _syscall(_NR_LANDLOCK_CREATE, self.attr, self.size, 0, what="landlock_create_ruleset")
+        ruleset = _syscall(_NR_LANDLOCK_CREATE, ctypes.create_string_buffer(self.attr), self.size, 0,
+                           what="landlock_create_ruleset")
         cwd = os.open(".", os.O_PATH | os.O_DIRECTORY)
-        rights = self.handled & ~(_LL_EXECUTE | _LL_MAKE_CHAR | _LL_MAKE_BLOCK)
-        for rule in self.rules + [ctypes.create_string_buffer(struct.pack("=Qi", rights, cwd), 12)]:
-            _syscall(_NR_LANDLOCK_ADD_RULE, ruleset, 1, rule, 0, what="landlock_add_rule")
+        for rights, fd in self.rules + [(self.handled & ~(_LL_EXECUTE | _LL_MAKE_CHAR | _LL_MAKE_BLOCK), cwd)]:
+            _syscall(_NR_LANDLOCK_ADD_RULE, ruleset, 1, ctypes.create_string_buffer(struct.pack("=Qi", rights, fd)), 0,
+                     what="landlock_add_rule")
         _syscall(_NR_LANDLOCK_RESTRICT, ruleset, 0, what="landlock_restrict_self")
         for fd in self.fds + [cwd, ruleset]:
             os.close(fd)
@@ -316,15 +311,14 @@ def _pids_cgroup() -> tuple:
 
 
 def available_cores() -> int:
-    """Cores this process may use: its CPU affinity, capped by a cgroup CPU quota."""
+    """Cores this process may use: its CPU affinity, capped by a cgroup CPU quota (v2, else v1)."""
     cores = len(os.sched_getaffinity(0))
-    for quota, period in (("cpu.max", None), ("cpu/cpu.cfs_quota_us", "cpu/cpu.cfs_period_us")):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            fields = open("/sys/fs/cgroup/" + quota).read().split()
-            if fields[0] not in ("max", "-1"):
-                step = int(open("/sys/fs/cgroup/" + period).read() if period else fields[1])
-                cores = min(cores, max(1, math.ceil(int(fields[0]) / step)))
-    return max(1, cores)
+    for quota_file, period_file in (("cpu.max", "cpu.max"), ("cpu/cpu.cfs_quota_us", "cpu/cpu.cfs_period_us")):
+        with contextlib.suppress(OSError, ValueError):
+            quota, period = (open("/sys/fs/cgroup/" + f).read().split()[i] for f, i in ((quota_file, 0), (period_file, -1)))
+            if quota not in ("max", "-1"):
+                cores = min(cores, max(1, math.ceil(int(quota) / int(period))))
+    return cores
 
 
 def _missing_layer() -> str | None:
