@@ -13,7 +13,7 @@ code tool (TOOL_SCHEMA, prepare_code, format_tool_output); run_tests, the code-p
 What confines a run, applied by the child in this order. The pool fails closed: a missing
 layer stops it with a RuntimeError naming it (docs/SANDBOX.md: why each, what is not covered).
  1. its own session and process group; stdin a read-only pipe; no other inherited descriptor
- 2. a pids cgroup: at most MAX_TASKS tasks (threads) per run
+ 2. a pids cgroup: at most MAX_TASKS tasks (threads) per run (joined at fork, from the zygote)
  3. a private mount namespace: every host mount read-only and nosuid; a fresh tmpfs of
     disk_mb with bounded inodes is the working directory
  4. rlimits: address space, CPU seconds, file size, open files, no core, no mqueues; the
@@ -358,13 +358,10 @@ def _child(zygote: dict, fds: list, address_space: int) -> None:
         os.setsid()
         for fd, target in zip(fds, (0, 1, 2)):
             os.dup2(fd, target)
-        keep = sorted(zygote["landlock"].fds + [zygote["cgroup"]])
+        keep = sorted(zygote["landlock"].fds)
         for low, high in zip([2] + keep, keep + [1 << 16]):   # close all but those
             os.closerange(low + 1, high)
         job = json.loads(_read_exactly(0, int(_read_exactly(0, 12))))   # stdin starts with the job
-        step = "pids cgroup"
-        os.write(zygote["cgroup"], str(os.getpid()).encode())
-        os.close(zygote["cgroup"])
         step = "mount namespace"
         _enter_mount_namespace(zygote["dir"], job["disk_mb"])
         step = "rlimits"
@@ -452,6 +449,10 @@ def _zygote_main(config: dict) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)     # Ctrl-C belongs to the owner
     _prctl(_PR_SET_CHILD_SUBREAPER, 1)               # strays of a run land here and are killed
     sock, imported = socket.socket(fileno=config["fd"]), []
+    # Children are born in this pids cgroup; moving each run into it instead would take
+    # cgroup_threadgroup_rwsem for writing, which can wait out an RCU grace period (10-30 ms).
+    with open(config["cgroup"] + "/cgroup.procs", "w") as f:
+        f.write(str(os.getpid()))
     for name in WARM_STDLIB + config["preimport"]:
         with contextlib.suppress(Exception):
             __import__(name)
@@ -459,8 +460,7 @@ def _zygote_main(config: dict) -> None:
             exec(WARMUP.get(name, ""), {"__name__": "__warmup__"})
     zygote = {"pid": os.getpid(), "dir": config["dir"], "seccomp": _seccomp_filter(),
               "cap_last": int(open("/proc/sys/kernel/cap_last_cap").read()),
-              "landlock": _Landlock(landlock_abi(), _readable_paths()),
-              "cgroup": os.open(config["cgroup"] + "/cgroup.procs", os.O_WRONLY | os.O_CLOEXEC)}
+              "landlock": _Landlock(landlock_abi(), _readable_paths())}
     gc.collect()
     gc.freeze()                        # children then do not dirty these pages with GC bits
     child = pidfd = None
@@ -499,6 +499,8 @@ def _zygote_main(config: dict) -> None:
         if child:
             _kill_group(child)
             os.waitpid(child, 0)
+        with contextlib.suppress(OSError):     # out of our cgroup, so that it can go
+            open(os.path.dirname(config["cgroup"]) + "/cgroup.procs", "w").write(str(os.getpid()))
         for path in (config["cgroup"], config["dir"], os.path.dirname(config["dir"])):
             with contextlib.suppress(OSError):
                 os.rmdir(path)         # the pool's root too, if it is the last one there
@@ -668,7 +670,7 @@ class Sandbox:
         os.mkdir(directory, 0o700)
         os.mkdir(cgroup)
         with open(cgroup + "/pids.max", "w") as f:
-            f.write(str(self.max_tasks))
+            f.write(str(self.max_tasks + 1))       # the idle zygote is the cgroup's one other task
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         config = {"fd": theirs.fileno(), "dir": directory, "cgroup": cgroup, "preimport": self.preimport}
         # The worker's environment is its runs' (nothing of ours), plus a cap on glibc
