@@ -21,19 +21,22 @@ hard, with a histogram in FILE.hist.json.
 Departures from the paper: the math grader normalises both sides (\\dfrac, \\text{} units,
 "x = 5", thousands separators, zero padding) before its exact match, slightly more lenient than
 the strict boxed match; LiveCodeBench runs in this project's sandbox with the official harness's
-comparison rules (sandbox.run_tests), not in lcb_runner itself; "overall" is the unweighted mean
+comparison rules (run_tests below), not in lcb_runner itself; "overall" is the unweighted mean
 over benchmarks.
 """
 
+import ast
 import glob
 import json
 import os
 import re
+import secrets
 import sys
 import time
 import zlib
 from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass
+from decimal import Decimal, InvalidOperation
 
 
 @dataclass
@@ -183,11 +186,111 @@ def score_code(response, tests, timeout=6.0):
         program = extract_program(response)
         if not program or not program.strip():
             return 0.0
-        import sandbox
-        results = sandbox.run_tests(program, tests, timeout=timeout)
+        results = run_tests(program, tests, timeout=timeout)
         return sum(results) / len(results) if results else 0.0
     except Exception:
         return 0.0
+
+
+# -----------------------------------------------------------------------------
+# running code problems' tests in the sandbox, by LiveCodeBench's and upstream's rules
+
+GRADING_OUTPUT_LIMIT = 8 << 20     # stdout and stderr kept per test run: one fixed cap, never derived from a test
+# lcb_runner/evaluation/testing_util.py's import_string, before stdin and functional programs.
+_LCB_MODULES = ("string re datetime collections heapq bisect copy math random statistics itertools "
+                "functools operator io sys json builtins typing").split()
+LCB_PRELUDE = ("".join(f"from {m} import *\n" for m in _LCB_MODULES) +
+               "".join(f"import {m}\n" for m in _LCB_MODULES[:-2]) + "sys.setrecursionlimit(50000)\n")
+_STDIN_HARNESS = """{prelude}
+try:
+    exec(compile({program!r}, "<solution>", "exec", dont_inherit=True))
+except SystemExit:             # LiveCodeBench grades the output printed before a SystemExit
+    pass
+"""
+# Imported as a module (not __main__), as LiveCodeBench does; the value comes back as its
+# repr (numpy values made Python ones) for the caller to rebuild and compare by value.
+_CALL_HARNESS = """import json, sys, types
+solution = types.ModuleType("solution")
+exec(compile({source!r}, "<solution>", "exec", dont_inherit=True), solution.__dict__)
+owner = solution.Solution() if isinstance(getattr(solution, "Solution", None), type) else solution
+value = getattr(owner, {fn_name!r})(*[json.loads(line) for line in {inputs!r}.split("\\n") if line.strip()])
+def plain(v):
+    if type(v).__module__ == "numpy" and hasattr(v, "tolist"):
+        return plain(v.tolist())
+    if isinstance(v, dict):
+        return {{plain(k): plain(x) for k, x in v.items()}}
+    return type(v)(map(plain, v)) if type(v) in (list, tuple, set, frozenset) else v
+text = repr(plain(value))
+sys.stdout.flush()
+sys.stdout.write("\\n" + {marker!r} + text + "\\n")
+"""
+
+
+def _same_line(x, y):
+    """Equal as text, or as lists of Decimal numbers (3 == 3.0), as LiveCodeBench compares."""
+    try:
+        return x == y or [Decimal(t) for t in x.split()] == [Decimal(t) for t in y.split()]
+    except InvalidOperation:
+        return False
+
+
+def _same_output(got, expected):
+    """LiveCodeBench: strip the whole, split lines, strip each, same count, each line the same."""
+    a, b = ([line.strip() for line in text.strip().split("\n")] for text in (got, expected))
+    return len(a) == len(b) and all(map(_same_line, a, b))
+
+
+def _call_passed(result, marker, expected, wrapped):
+    at = result.stdout.rfind(marker)
+    if not result.ok or at < 0:
+        return False
+    try:        # a repr that is no literal (an object of its own class) equals no expected value
+        got, want = ast.literal_eval(result.stdout[at + len(marker):].strip()), json.loads(expected)
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        return False
+    got = list(got) if isinstance(got, tuple) else got     # LiveCodeBench: tuples as lists
+    # TACO/APPS ground truth is wrapped in a list: its first element passes too.
+    return got == want or (wrapped and isinstance(want, list) and len(want) > 0 and got == want[0])
+
+
+def run_tests(program, tests, timeout=6.0, stop_on_failure=False, memory_mb=1024, sandbox=None):
+    """Per-test pass/fail of `program` on `tests` (the three shapes of docs/CONTRACTS.md),
+    each test its own sandboxed run with `timeout`. Stdin and functional outputs are compared
+    here, never inside the sandbox; an assert-style test passes when its run exits 0. With
+    `stop_on_failure` tests run one after another and the first failure fails the rest
+    unrun; otherwise they run concurrently."""
+    source, cases, jobs = program if isinstance(program, str) else "", tests.get("cases") or [], []
+    if tests.get("test_code") is not None:     # assert-style, as upstream's code_math grades
+        lines = [line for line in tests["test_code"].split("\n") if line != ""]
+        jobs = [(f"{tests.get('import_prefix', '')}{source}\n{lines[0]}{line}\ncheck({tests['entry_point']})", "",
+                 lambda r: r.ok) for line in lines[1:]]
+    elif tests.get("fn_name"):
+        for case, marker in zip(cases, (f"@@sandbox-result-{secrets.token_hex(8)}@@" for _ in cases)):
+            code = _CALL_HARNESS.format(source=LCB_PRELUDE + source, fn_name=tests["fn_name"],
+                                        inputs=str(case.get("input", "")), marker=marker)
+            jobs.append((code, "", lambda r, m=marker, e=str(case.get("output", "")):
+                         _call_passed(r, m, e, bool(tests.get("wrapped")))))
+    else:
+        harness = _STDIN_HARNESS.format(prelude=LCB_PRELUDE, program=source)
+        jobs = [(harness, str(case.get("input", "")), lambda r, e=str(case.get("output", "")):
+                 r.ok and _same_output(r.stdout, e)) for case in cases]
+    if not source.strip():
+        return [False] * len(jobs)
+    import sandbox as sandbox_module
+    box = sandbox or sandbox_module.default_sandbox()
+
+    def launch(job):
+        return box.submit(job[0], timeout, memory_mb, job[1], output_limit=GRADING_OUTPUT_LIMIT)
+
+    if stop_on_failure:
+        passed = []
+        for job in jobs:
+            passed.append(bool(job[2](launch(job).result())))
+            if not passed[-1]:
+                return passed + [False] * (len(jobs) - len(passed))
+        return passed
+    futures = [launch(job) for job in jobs]
+    return [bool(job[2](future.result())) for job, future in zip(jobs, futures)]
 
 
 def score(problem, response, code_timeout=6.0):

@@ -5,8 +5,8 @@ forks one child per run on request. The child gets its job and stdin, stdout and
 pipes straight from the pool (which does all I/O, deadlines and verdicts), confines itself,
 then exec()s the code: no job data ever enters the zygote that later children copy.
 API: run, run_many, submit (a Future), capabilities() on a default pool or a `Sandbox`; the
-code tool (TOOL_SCHEMA, prepare_code, format_tool_output); run_tests, the code-problem grader
-(LiveCodeBench semantics; expected outputs never enter the sandbox).
+code tool (TOOL_SCHEMA, prepare_code, format_tool_output). Code problems' tests run through it
+from evaluate.run_tests (the graders' rules; expected outputs never enter the sandbox).
     python sandbox.py 'print(1 + 1)'   python sandbox.py --tool 'x = 6 * 7\nx'
     python sandbox.py --capabilities   python scripts/bench_sandbox.py
 
@@ -27,10 +27,41 @@ The pool SIGKILLs the run's process group at the deadline and caps stdout and st
 """
 from __future__ import annotations
 
-import argparse, ast, atexit, builtins, concurrent.futures, contextlib, ctypes, decimal, errno, gc  # noqa: E401
-import io, json, linecache, math, mmap, os, platform, queue, re, resource, secrets, select, shutil  # noqa: E401
-import signal, socket, struct, subprocess, sys, sysconfig, tempfile, threading, time, traceback, types  # noqa: E401
+import argparse
+import ast
+import atexit
+import builtins
+import concurrent.futures
+import contextlib
+import gc
+import io
+import json
+import linecache
+import math
+import mmap
+import os
+import platform
+import queue
+import re
+import resource
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+import types
 from dataclasses import dataclass
+
+if __name__ == "__main__":  # a worker runs under `python -I`, which puts no script directory on sys.path
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from confine import (ARCH, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS, PR_SET_PDEATHSIG, Landlock, available_cores,
+                     drop_capabilities, enter_mount_namespace, install_seccomp, landlock_abi, missing_layer, pids_cgroup,
+                     prctl, readable_paths, seccomp_filter)
 
 _THIS_FILE = os.path.abspath(__file__)     # what the workers run, whatever the cwd later
 TOOL_SCHEMA = {"type": "function", "function": {
@@ -38,9 +69,7 @@ TOOL_SCHEMA = {"type": "function", "function": {
     "parameters": {"type": "object", "required": ["code"], "properties": {
         "code": {"type": "string", "description": "The code to execute."}}}}}
 DEFAULT_OUTPUT_LIMIT = 64 * 1024   # bytes kept of stdout and of stderr, each
-GRADING_OUTPUT_LIMIT = 8 << 20     # run_tests: one fixed cap, never derived from a test
 DEFAULT_DISK_MB = 64               # tmpfs size: the run's total bytes on disk
-MAX_FILES = 4096                   # inodes in that tmpfs
 MAX_TASKS = 256                    # tasks per run, the main thread included (pids cgroup)
 MAX_OPEN_FILES = 256
 MAX_SEND_ATTEMPTS = 3              # sends of one job to workers that die before forking it
@@ -58,12 +87,11 @@ WARMUP = {
              "sp.solve(x ** 2 - 1, x); sp.factor(x ** 2 - 1); sp.simplify(sp.sin(x) ** 2 + sp.cos(x) ** 2)\n"
              "str(sp.integrate(x * sp.sin(x), x)); sp.diff(sp.exp(x), x); sp.Rational(1, 3) + 1\n"
              "sp.latex(x ** 2); sp.N(sp.pi, 10); sp.Matrix([[1, 2], [3, 4]]).det()"}
-STATUSES = ("ok", "error", "timeout", "memory", "killed")
 
 
 @dataclass
 class Result:
-    status: str                     # one of STATUSES
+    status: str                     # "ok" | "error" | "timeout" | "memory" | "killed"
     stdout: str = ""
     stderr: str = ""
     returncode: int | None = None   # exit code, or -signal when killed by a signal
@@ -127,215 +155,12 @@ def format_tool_output(result: Result, max_chars: int = 256) -> str:
     return text + note
 
 
-# ---------------------------------------------------------------- Linux plumbing (ctypes)
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.syscall.restype = ctypes.c_long
-_ARCH = platform.machine()
-# Syscall numbers from the kernel's unistd headers: name, x86_64, aarch64 ("-": none there).
-# Runs get EPERM for every one, but those _seccomp_filter gives a rule of their own.
-_TABLE = """fork 57 - vfork 58 - clone 56 220 clone3 435 435 execve 59 221 execveat 322 281 kill 62 129
-tkill 200 130 tgkill 234 131 rt_sigqueueinfo 129 138 rt_tgsigqueueinfo 297 240 socket 41 198
-socketpair 53 199 connect 42 203 bind 49 200 listen 50 201 ptrace 101 117 process_vm_readv 310 270
-process_vm_writev 311 271 mount 165 40 umount2 166 39 unshare 272 97 setns 308 268
-bpf 321 280 pivot_root 155 41 chroot 161 51 kexec_load 246 104 kexec_file_load 320 294
-init_module 175 105 finit_module 313 273 delete_module 176 106 perf_event_open 298 241
-userfaultfd 323 282 keyctl 250 219 add_key 248 217 request_key 249 218 open_tree 428 428
-move_mount 429 429 fsopen 430 430 fsconfig 431 431 fsmount 432 432 fspick 433 433
-mount_setattr 442 442 pidfd_open 434 434 pidfd_send_signal 424 424 pidfd_getfd 438 438
-kcmp 312 272 name_to_handle_at 303 264 open_by_handle_at 304 265 memfd_create 319 279
-memfd_secret 447 447 swapon 167 224 swapoff 168 225 reboot 169 142 sethostname 170 161
-setdomainname 171 162 iopl 172 - ioperm 173 - acct 163 89 quotactl 179 60
-quotactl_fd 443 443 syslog 103 116 lookup_dcookie 212 18 vhangup 153 58 uselib 134 -
-settimeofday 164 170 clock_settime 227 112 clock_adjtime 305 266 adjtimex 159 171
-migrate_pages 256 238 move_pages 279 239 process_madvise 440 440 process_mrelease 448 448
-io_uring_setup 425 425 io_uring_enter 426 426 io_uring_register 427 427 prlimit64 302 261
-setpriority 141 140 ioprio_set 251 30 sched_setaffinity 203 122 sched_setscheduler 144 119
-sched_setparam 142 118 sched_setattr 314 274 nfsservctl 180 42 fanotify_init 300 262
-prctl 157 167 shmget 29 194 shmat 30 196 shmctl 31 195 shmdt 67 197 semget 64 190
-semop 65 193 semctl 66 191 semtimedop 220 192 msgget 68 186 msgsnd 69 189 msgrcv 70 188
-msgctl 71 187 mq_open 240 180 mq_unlink 241 181 mq_timedsend 242 182 mq_timedreceive 243 183
-mq_notify 244 184 mq_getsetattr 245 185""".split()
-_SYSCALLS = {arch: {name: int(nr) for name, nr in zip(_TABLE[::3], _TABLE[column::3]) if nr != "-"}
-             for column, arch in ((1, "x86_64"), (2, "aarch64"))}
-_AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
-_NR_LANDLOCK_CREATE, _NR_LANDLOCK_ADD_RULE, _NR_LANDLOCK_RESTRICT = 444, 445, 446
-# BPF and seccomp constants (linux/filter.h, linux/seccomp.h), prctl options, Landlock rights.
-_LD, _JEQ, _JGE, _AND, _RET = 0x20, 0x15, 0x35, 0x54, 0x06
-_ALLOW, _ERRNO, _KILL_PROCESS = 0x7FFF0000, 0x00050000, 0x80000000
-_CLONE_THREAD, _CLONE_NEW = 0x00010000, 0x7E020080   # NEW{NS,CGROUP,UTS,IPC,USER,PID,NET,TIME}
-_OWN, _GROUP = "own", "group"      # the run's pid and -pid, filled in by each child
-_PR_SET_PDEATHSIG, _PR_CAPBSET_DROP, _PR_SET_SECCOMP, _PR_SET_SECUREBITS = 1, 24, 22, 28
-_PR_SET_CHILD_SUBREAPER, _PR_SET_NO_NEW_PRIVS, _PR_CAP_AMBIENT = 36, 38, 47
-_LL_EXECUTE, _LL_WRITE, _LL_READ, _LL_READ_DIR, _LL_MAKE_CHAR, _LL_MAKE_BLOCK = 1, 2, 4, 8, 64, 2048
-_LL_REFER, _LL_TRUNCATE, _LL_IOCTL_DEV = 8192, 16384, 32768   # ABI 2, 3, 5
-_SETUP_FAILED = 125                # exit code of a child that could not confine itself
-
-
-def _check(ret: int, what: str) -> int:
-    if ret == -1:
-        raise OSError(ctypes.get_errno(), f"{what}: {os.strerror(ctypes.get_errno())}")
-    return ret
-
-
-def _syscall(number: int, *args, what: str = "syscall") -> int:   # buffers as pointers, the rest as longs
-    return _check(_libc.syscall(ctypes.c_long(number), *[a if isinstance(a, ctypes.Array) else ctypes.c_long(a)
-                                                         for a in args]), what)
-
-
-def _prctl(option: int, a2: int = 0, a3: int = 0) -> int:
-    return _check(_libc.prctl(*map(ctypes.c_ulong, (option, a2, a3, 0, 0))), f"prctl({option})")
-
-
-def _seccomp_filter() -> list:
-    """The filter as (code, jt, jf, k) tuples; k may be _OWN or _GROUP, set per child."""
-    deny, allow = (_RET, 0, 0, _ERRNO | errno.EPERM), (_RET, 0, 0, _ALLOW)
-    prog = [(_LD, 0, 0, 4), (_JEQ, 1, 0, _AUDIT_ARCH[_ARCH]), (_RET, 0, 0, _KILL_PROCESS), (_LD, 0, 0, 0)]
-    if _ARCH == "x86_64":       # x32 ABI numbers have bit 30 set: refuse them all
-        prog += [(_JGE, 0, 1, 0x40000000), deny]
-
-    def arg(index):             # seccomp_data.args[index], its low 32 bits (little-endian)
-        return (_LD, 0, 0, 16 + 8 * index)
-
-    def only(index, *values):   # allowed when argument `index` is one of `values`
-        return [arg(index), *[(_JEQ, len(values) - i, 0, v) for i, v in enumerate(values)], deny, allow]
-
-    rules = {"clone3": [(_RET, 0, 0, _ERRNO | errno.ENOSYS)],     # glibc falls back to clone()
-             "clone": [arg(0), (_AND, 0, 0, _CLONE_THREAD | _CLONE_NEW), (_JEQ, 1, 0, _CLONE_THREAD), deny, allow],
-             # Stream socketpairs stay (asyncio's self-pipe needs one): they reach no one.
-             "socketpair": [arg(0), (_JEQ, 1, 0, socket.AF_UNIX), deny, arg(1), (_AND, 0, 0, 0xF),
-                            (_JEQ, 1, 0, socket.SOCK_STREAM), deny, allow],
-             "kill": only(0, 0, _OWN, _GROUP),
-             # Clearing the parent-death signal would let a sleeping run outlive its worker.
-             "prctl": [arg(0), (_JEQ, 0, 1, _PR_SET_PDEATHSIG), deny, allow]}
-    rules.update({name: only(0, _OWN) for name in ("tgkill", "rt_sigqueueinfo", "rt_tgsigqueueinfo")})
-    rules.update({name: only(0, 0, _OWN) for name in ("prlimit64", "sched_setaffinity", "sched_setscheduler",
-                                                      "sched_setparam", "sched_setattr")})
-    for name, number in _SYSCALLS[_ARCH].items():
-        block = rules.get(name, [deny])
-        prog += [(_JEQ, 0, len(block), number), *block]
-    return prog + [allow]
-
-
-def _install_seccomp(program: list, pid: int) -> None:
-    values = {_OWN: pid, _GROUP: -pid}
-    code = b"".join(struct.pack("HBBI", c, jt, jf, values.get(k, k) & 0xFFFFFFFF) for c, jt, jf, k in program)
-    buffer = ctypes.create_string_buffer(code, len(code))
-    fprog = ctypes.create_string_buffer(struct.pack("HxxxxxxQ", len(program), ctypes.addressof(buffer)), 16)
-    _prctl(_PR_SET_SECCOMP, 2, ctypes.addressof(fprog))               # SECCOMP_MODE_FILTER
-
-
-def landlock_abi() -> int:
-    """The kernel's Landlock ABI version, 0 when Landlock is missing or disabled."""
-    try:
-        return max(0, _syscall(_NR_LANDLOCK_CREATE, 0, 0, 1))
-    except OSError:
-        return 0
-
-
-class _Landlock:
-    """The ruleset of every run of a worker, prepared once over O_PATH descriptors the
-    worker keeps open; a child adds its working directory and restricts itself."""
-
-    def __init__(self, abi: int, read_paths: list):
-        self.handled = (1 << 13) - 1 | _LL_REFER * (abi >= 2) | _LL_TRUNCATE * (abi >= 3) | _LL_IOCTL_DEV * (abi >= 5)
-        net, scope = 3 * (abi >= 4), 3 * (abi >= 6)      # TCP bind+connect; abstract sockets+signals
-        self.attr, self.size = struct.pack("QQQ", self.handled, net, scope), 8 if abi < 4 else 16 if abi < 6 else 24
-        rw = _LL_READ | _LL_WRITE | _LL_TRUNCATE | _LL_IOCTL_DEV
-        wanted = [(path, _LL_READ | _LL_READ_DIR) for path in read_paths] + [(f"/dev/{name}", rw) for name in (
-            "null", "full")] + [(f"/dev/{name}", _LL_READ) for name in ("zero", "urandom", "random")]
-        self.fds, self.rules = [], []
-        for path, rights in filter(lambda item: os.path.exists(item[0]), wanted):
-            self.fds.append(os.open(path, os.O_PATH | os.O_CLOEXEC))
-            self.rules.append((rights & self.handled & (~0 if os.path.isdir(path) else rw | _LL_EXECUTE), self.fds[-1]))
-
-    def install(self) -> None:
-        """Confine this process; the working directory is the current one."""
-        ruleset = _syscall(_NR_LANDLOCK_CREATE, ctypes.create_string_buffer(self.attr), self.size, 0,
-                           what="landlock_create_ruleset")
-        cwd = os.open(".", os.O_PATH | os.O_DIRECTORY)
-        for rights, fd in self.rules + [(self.handled & ~(_LL_EXECUTE | _LL_MAKE_CHAR | _LL_MAKE_BLOCK), cwd)]:
-            _syscall(_NR_LANDLOCK_ADD_RULE, ruleset, 1, ctypes.create_string_buffer(struct.pack("=Qi", rights, fd)), 0,
-                     what="landlock_add_rule")
-        _syscall(_NR_LANDLOCK_RESTRICT, ruleset, 0, what="landlock_restrict_self")
-        for fd in self.fds + [cwd, ruleset]:
-            os.close(fd)
-
-
-def _enter_mount_namespace(workdir: str, disk_mb: float) -> None:
-    """Every mount read-only, nosuid and private (a shared "/" would propagate our tmpfs to
-    the host) in one recursive mount_setattr, then a fresh tmpfs on the working directory."""
-    _check(_libc.unshare(0x00020000), "unshare(CLONE_NEWNS)")
-    attr = ctypes.create_string_buffer(struct.pack("QQQQ", 1 | 2, 0, 1 << 18, 0), 32)
-    _syscall(_SYSCALLS[_ARCH]["mount_setattr"], -100, ctypes.create_string_buffer(b"/"), 0x8000, attr, 32,
-             what="mount_setattr")                           # AT_FDCWD, AT_RECURSIVE
-    options = f"size={int(disk_mb * 2 ** 20)},nr_inodes={MAX_FILES},mode=0700".encode()
-    _check(_libc.mount(b"sandbox", workdir.encode(), b"tmpfs", 2 | 4 | 8, options), "mount(tmpfs)")
-    os.chdir(workdir)                                          # into the tmpfs, not beneath it
-
-
-def _drop_capabilities(last_cap: int) -> None:
-    """Every capability gone for good: root's special treatment locked off (an exec could
-    not regain them), bounding and ambient sets emptied, then the rest."""
-    _prctl(_PR_SET_SECUREBITS, 0xEF)   # NOROOT, NO_SETUID_FIXUP, NO_CAP_AMBIENT_RAISE + locks
-    for cap in range(last_cap + 1):
-        _prctl(_PR_CAPBSET_DROP, cap)
-    _prctl(_PR_CAP_AMBIENT, 4)         # PR_CAP_AMBIENT_CLEAR_ALL
-    _check(_libc.capset(struct.pack("Ii", 0x20080522, 0), bytes(24)), "capset")   # version 3
-
-
-def _readable_paths() -> list:
-    """What a run may read: system libraries and the Python installation, no more (an
-    editable project install on sys.path, say, is left out on purpose)."""
-    paths = ["/usr", "/lib", "/lib64", "/lib32", "/etc/ld.so.cache", "/etc/localtime", "/sys/devices/system/cpu",
-             sysconfig.get_config_var("LIBDIR")] + [sysconfig.get_paths()[k] for k in ("stdlib", "purelib", "platlib")]
-    real = [os.path.realpath(p) for p in paths if p and os.path.exists(p)]
-    return sorted(set(real), key=real.index)
-
-
-def _pids_cgroup() -> tuple:
-    """(directory, version) where this process may create pids cgroups: its own cgroup of
-    the v1 pids hierarchy, else of cgroup2 when pids is delegated to its children."""
-    try:
-        paths = dict(line.rstrip("\n").split(":", 2)[1:] for line in open("/proc/self/cgroup"))
-    except OSError:
-        return None, None
-    candidates = [("/sys/fs/cgroup/pids" + paths.get("pids", "/").rstrip("/"), "v1", "cgroup.procs")] + [
-        (root + paths.get("", "/").rstrip("/"), "v2", "cgroup.subtree_control")
-        for root in ("/sys/fs/cgroup", "/sys/fs/cgroup/unified")]
-    for directory, version, probe in candidates:
-        with contextlib.suppress(OSError):
-            if os.access(directory, os.W_OK) and (version == "v1" or "pids" in open(f"{directory}/{probe}").read()):
-                return directory, version
-    return None, None
-
-
-def available_cores() -> int:
-    """Cores this process may use: its CPU affinity, capped by a cgroup CPU quota (v2, else v1)."""
-    cores = len(os.sched_getaffinity(0))
-    for quota_file, period_file in (("cpu.max", "cpu.max"), ("cpu/cpu.cfs_quota_us", "cpu/cpu.cfs_period_us")):
-        with contextlib.suppress(OSError, ValueError):
-            quota, period = (open("/sys/fs/cgroup/" + f).read().split()[i] for f, i in ((quota_file, 0), (period_file, -1)))
-            if quota not in ("max", "-1"):
-                cores = min(cores, max(1, math.ceil(int(quota) / int(period))))
-    return cores
-
-
-def _missing_layer() -> str | None:
-    """What this machine lacks of the layers a run needs (the probe run checks the rest)."""
-    return (not sys.platform.startswith("linux") and "Linux") or \
-        (_ARCH not in _SYSCALLS and f"a seccomp filter for {_ARCH}") or \
-        (os.geteuid() != 0 and "root (a private mount namespace needs CAP_SYS_ADMIN)") or \
-        (not landlock_abi() and "Landlock (Linux 5.13+, landlock in the lsm= list)") or \
-        (not hasattr(os, "pidfd_open") and "pidfd_open (Linux 5.3+)") or \
-        (not _pids_cgroup()[0] and "a writable pids cgroup (v1, or cgroup2 with pids delegated)") or None
-
-
 # ---------------------------------------------------------------- the child: confine, then run
 
 _THREAD_VARS = {name: "1" for name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
                                        "NUMEXPR_NUM_THREADS", "VECLIB_MAXIMUM_THREADS", "BLIS_NUM_THREADS")}
 _KEEP_ALIVE = []                   # the zygote's stdio and __main__: never finalized in a child
+_SETUP_FAILED = 125                # exit code of a child that could not confine itself
 
 
 def _child_env(home: str) -> dict:
@@ -363,7 +188,7 @@ def _child(zygote: dict, fds: list, address_space: int) -> None:
             os.closerange(low + 1, high)
         job = json.loads(_read_exactly(0, int(_read_exactly(0, 12))))   # stdin starts with the job
         step = "mount namespace"
-        _enter_mount_namespace(zygote["dir"], job["disk_mb"])
+        enter_mount_namespace(zygote["dir"], job["disk_mb"])
         step = "rlimits"
         memory = address_space + job["memory_mb"] * 2 ** 20   # on top of the warm interpreter
         cpu, disk = math.ceil(job["timeout"]) + 1, int(job["disk_mb"] * 2 ** 20)
@@ -371,17 +196,17 @@ def _child(zygote: dict, fds: list, address_space: int) -> None:
                                   ("NOFILE", MAX_OPEN_FILES, MAX_OPEN_FILES), ("CORE", 0, 0), ("MSGQUEUE", 0, 0)):
             resource.setrlimit(getattr(resource, "RLIMIT_" + which), (soft, hard))
         step = "no_new_privs"
-        _prctl(_PR_SET_NO_NEW_PRIVS, 1)
+        prctl(PR_SET_NO_NEW_PRIVS, 1)
         step = "landlock"
         zygote["landlock"].install()
         step = "capabilities"
-        _drop_capabilities(zygote["cap_last"])
+        drop_capabilities(zygote["cap_last"])
         step = "parent-death signal"
-        _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
         if os.getppid() != zygote["pid"]:
             raise RuntimeError("the worker died")
         step = "seccomp"
-        _install_seccomp(zygote["seccomp"], os.getpid())
+        install_seccomp(zygote["seccomp"], os.getpid())
         if "numpy.random" in sys.modules:      # else every run of a worker draws the same
             sys.modules["numpy.random"].seed(int.from_bytes(os.urandom(4), "little"))
     except BaseException as exc:
@@ -447,7 +272,7 @@ def _zygote_main(config: dict) -> None:
     """Fork one child per "fork" request (it carries three pipe ends, no job data), report
     its pid and exit status, SIGKILL its group on "kill"; exit when the pool hangs up."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)     # Ctrl-C belongs to the owner
-    _prctl(_PR_SET_CHILD_SUBREAPER, 1)               # strays of a run land here and are killed
+    prctl(PR_SET_CHILD_SUBREAPER, 1)               # strays of a run land here and are killed
     sock, imported = socket.socket(fileno=config["fd"]), []
     # Children are born in this pids cgroup; moving each run into it instead would take
     # cgroup_threadgroup_rwsem for writing, which can wait out an RCU grace period (10-30 ms).
@@ -458,9 +283,9 @@ def _zygote_main(config: dict) -> None:
             __import__(name)
             imported.append(name)
             exec(WARMUP.get(name, ""), {"__name__": "__warmup__"})
-    zygote = {"pid": os.getpid(), "dir": config["dir"], "seccomp": _seccomp_filter(),
+    zygote = {"pid": os.getpid(), "dir": config["dir"], "seccomp": seccomp_filter(),
               "cap_last": int(open("/proc/sys/kernel/cap_last_cap").read()),
-              "landlock": _Landlock(landlock_abi(), _readable_paths())}
+              "landlock": Landlock(landlock_abi(), readable_paths())}
     gc.collect()
     gc.freeze()                        # children then do not dirty these pages with GC bits
     child = pidfd = None
@@ -580,19 +405,15 @@ class Sandbox:
     worker feeding and watching it. Thread-safe; use one per process (the module-level
     functions share a default one). Futures resolve on pool threads: callbacks must not block."""
 
-    TOOL_SCHEMA = TOOL_SCHEMA
-    prepare_code = staticmethod(prepare_code)
-    format_tool_output = staticmethod(format_tool_output)
-
     def __init__(self, workers: int | None = None, preimport=PREIMPORT, output_limit: int = DEFAULT_OUTPUT_LIMIT,
                  disk_mb: float = DEFAULT_DISK_MB, max_tasks: int = MAX_TASKS, grace: float = GRACE):
-        if missing := _missing_layer():
+        if missing := missing_layer():
             raise RuntimeError(f"sandbox: refusing to start without {missing}")
         self.num_workers = self.concurrency = max(1, int(workers or available_cores()))
         self.preimport, self.output_limit, self.disk_mb = list(preimport), int(output_limit), disk_mb
         self.max_tasks, self.grace = int(max_tasks), grace
         self.root = tempfile.mkdtemp(prefix="sandbox-")
-        self._cgroup_dir, self._cgroup_version = _pids_cgroup()
+        self._cgroup_dir, self._cgroup_version = pids_cgroup()
         self._queue = queue.SimpleQueue()          # (job, future)
         self._lock, self._ready = threading.Lock(), threading.Event()   # ready: a probe passed, or failure
         self._probe = self._broken = None          # (hello, checks) of the first worker; why it failed
@@ -811,9 +632,6 @@ class Sandbox:
         futures = [self.submit(c, timeout, memory_mb, s, **options) for c, s in zip(codes, stdins)]
         return [f.result() for f in futures]
 
-    def run_tests(self, program, tests, timeout: float = 6.0, stop_on_failure: bool = False, memory_mb: int = 1024):
-        return run_tests(program, tests, timeout, stop_on_failure, memory_mb, sandbox=self)
-
     def capabilities(self, timeout: float = 120.0) -> dict:
         """What confines a run here, as measured from inside by the first worker's probe run."""
         self._ready.wait(timeout)
@@ -821,7 +639,7 @@ class Sandbox:
             raise RuntimeError(self._broken or "no sandbox worker became ready")
         (hello, checks), abi = self._probe, landlock_abi()
         verified = {k: v for k, v in checks.items() if isinstance(v, bool)}
-        return {"kernel": platform.release(), "arch": _ARCH, "python": platform.python_version(),
+        return {"kernel": platform.release(), "arch": ARCH, "python": platform.python_version(),
                 "workers": self.num_workers, "preimported": [m for m in hello["preimported"] if "." not in m],
                 "worker_threads": hello["threads"], "process_group": True, "subreaper": True,
                 "tasks": {"mechanism": f"pids cgroup {self._cgroup_version}", "max": self.max_tasks,
@@ -829,7 +647,7 @@ class Sandbox:
                 "namespace": "mount", "disk_quota": f"tmpfs {checks['workdir_bytes'] / 2 ** 20:g} MiB",
                 "rlimits": checks["rlimits"], "landlock_abi": abi,
                 "landlock": {"filesystem": True, "tcp": abi >= 4, "signals_and_abstract_sockets": abi >= 6},
-                "privileges": f"no capabilities (uid {os.geteuid()})", "seccomp": f"bpf filter ({_ARCH})",
+                "privileges": f"no capabilities (uid {os.geteuid()})", "seccomp": f"bpf filter ({ARCH})",
                 "verified": verified}
 
     def worker_pids(self) -> list:
@@ -927,105 +745,6 @@ def submit(code: str, timeout: float = 10.0, memory_mb: int = 1024, stdin: str =
 
 def capabilities() -> dict:
     return default_sandbox().capabilities()
-
-
-# ---------------------------------------------------------------- grading code problems
-
-# lcb_runner/evaluation/testing_util.py's import_string, before stdin and functional programs.
-_LCB_MODULES = ("string re datetime collections heapq bisect copy math random statistics itertools "
-                "functools operator io sys json builtins typing").split()
-LCB_PRELUDE = ("".join(f"from {m} import *\n" for m in _LCB_MODULES) +
-               "".join(f"import {m}\n" for m in _LCB_MODULES[:-2]) + "sys.setrecursionlimit(50000)\n")
-_STDIN_HARNESS = """{prelude}
-try:
-    exec(compile({program!r}, "<solution>", "exec", dont_inherit=True))
-except SystemExit:             # LiveCodeBench grades the output printed before a SystemExit
-    pass
-"""
-# Imported as a module (not __main__), as LiveCodeBench does; the value comes back as its
-# repr (numpy values made Python ones) for the caller to rebuild and compare by value.
-_CALL_HARNESS = """import json, sys, types
-solution = types.ModuleType("solution")
-exec(compile({source!r}, "<solution>", "exec", dont_inherit=True), solution.__dict__)
-owner = solution.Solution() if isinstance(getattr(solution, "Solution", None), type) else solution
-value = getattr(owner, {fn_name!r})(*[json.loads(line) for line in {inputs!r}.split("\\n") if line.strip()])
-def plain(v):
-    if type(v).__module__ == "numpy" and hasattr(v, "tolist"):
-        return plain(v.tolist())
-    if isinstance(v, dict):
-        return {{plain(k): plain(x) for k, x in v.items()}}
-    return type(v)(map(plain, v)) if type(v) in (list, tuple, set, frozenset) else v
-text = repr(plain(value))
-sys.stdout.flush()
-sys.stdout.write("\\n" + {marker!r} + text + "\\n")
-"""
-
-
-def _same_line(x: str, y: str) -> bool:
-    """Equal as text, or as lists of Decimal numbers (3 == 3.0), as LiveCodeBench compares."""
-    try:
-        return x == y or [decimal.Decimal(t) for t in x.split()] == [decimal.Decimal(t) for t in y.split()]
-    except decimal.InvalidOperation:
-        return False
-
-
-def _same_output(got: str, expected: str) -> bool:
-    """LiveCodeBench: strip the whole, split lines, strip each, same count, each line the same."""
-    a, b = ([line.strip() for line in text.strip().split("\n")] for text in (got, expected))
-    return len(a) == len(b) and all(map(_same_line, a, b))
-
-
-def _call_passed(result: Result, marker: str, expected: str, wrapped: bool) -> bool:
-    at = result.stdout.rfind(marker)
-    if not result.ok or at < 0:
-        return False
-    try:        # a repr that is no literal (an object of its own class) equals no expected value
-        got, want = ast.literal_eval(result.stdout[at + len(marker):].strip()), json.loads(expected)
-    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
-        return False
-    got = list(got) if isinstance(got, tuple) else got     # LiveCodeBench: tuples as lists
-    # TACO/APPS ground truth is wrapped in a list: its first element passes too.
-    return got == want or (wrapped and isinstance(want, list) and len(want) > 0 and got == want[0])
-
-
-def run_tests(program: str, tests: dict, timeout: float = 6.0, stop_on_failure: bool = False,
-              memory_mb: int = 1024, sandbox: Sandbox | None = None) -> list:
-    """Per-test pass/fail of `program` on `tests` (the three shapes of docs/CONTRACTS.md),
-    each test its own sandboxed run with `timeout`. Stdin and functional outputs are compared
-    here, never inside the sandbox; an assert-style test passes when its run exits 0. With
-    `stop_on_failure` tests run one after another and the first failure fails the rest
-    unrun; otherwise they run concurrently."""
-    source, cases, jobs = program if isinstance(program, str) else "", tests.get("cases") or [], []
-    if tests.get("test_code") is not None:     # assert-style, as upstream's code_math grades
-        lines = [line for line in tests["test_code"].split("\n") if line != ""]
-        jobs = [(f"{tests.get('import_prefix', '')}{source}\n{lines[0]}{line}\ncheck({tests['entry_point']})", "",
-                 lambda r: r.ok) for line in lines[1:]]
-    elif tests.get("fn_name"):
-        for case, marker in zip(cases, (f"@@sandbox-result-{secrets.token_hex(8)}@@" for _ in cases)):
-            code = _CALL_HARNESS.format(source=LCB_PRELUDE + source, fn_name=tests["fn_name"],
-                                        inputs=str(case.get("input", "")), marker=marker)
-            jobs.append((code, "", lambda r, m=marker, e=str(case.get("output", "")):
-                         _call_passed(r, m, e, bool(tests.get("wrapped")))))
-    else:
-        harness = _STDIN_HARNESS.format(prelude=LCB_PRELUDE, program=source)
-        jobs = [(harness, str(case.get("input", "")), lambda r, e=str(case.get("output", "")):
-                 r.ok and _same_output(r.stdout, e)) for case in cases]
-    if not source.strip():
-        return [False] * len(jobs)
-    box = sandbox or default_sandbox()
-
-    def launch(job):
-        return box.submit(job[0], timeout, memory_mb, job[1], output_limit=GRADING_OUTPUT_LIMIT)
-
-    if stop_on_failure:
-        passed = []
-        for job in jobs:
-            passed.append(bool(job[2](launch(job).result())))
-            if not passed[-1]:
-                return passed + [False] * (len(jobs) - len(passed))
-        return passed
-    futures = [launch(job) for job in jobs]
-    return [bool(job[2](future.result())) for job, future in zip(jobs, futures)]
 
 
 # ---------------------------------------------------------------- command line

@@ -21,8 +21,10 @@ import time
 
 import pytest
 
+import confine
 import sandbox
-from sandbox import Result, Sandbox, format_tool_output, prepare_code, run_tests
+from evaluate import run_tests
+from sandbox import Result, Sandbox, format_tool_output, prepare_code
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux-only sandbox")
 
@@ -140,7 +142,7 @@ def wait_for_a_run(box, asleep=False):
 
 
 def syscall_number(name):
-    return sandbox._SYSCALLS.get(platform.machine(), {}).get(name)
+    return confine._SYSCALLS.get(platform.machine(), {}).get(name)
 
 
 @pytest.fixture(scope="module")
@@ -180,10 +182,10 @@ def test_capabilities_are_in_force(caps):
 
 
 @pytest.mark.parametrize("patch,named", [
-    (("landlock_abi", lambda: 0), "Landlock"), (("_pids_cgroup", lambda: (None, None)), "pids cgroup"),
-    (("_ARCH", "riscv64"), "seccomp filter for riscv64")])
+    (("landlock_abi", lambda: 0), "Landlock"), (("pids_cgroup", lambda: (None, None)), "pids cgroup"),
+    (("ARCH", "riscv64"), "seccomp filter for riscv64")])
 def test_a_missing_layer_stops_the_pool(monkeypatch, patch, named):
-    monkeypatch.setattr(sandbox, *patch)              # fail closed, naming what is missing
+    monkeypatch.setattr(confine, *patch)              # fail closed, naming what is missing
     with pytest.raises(RuntimeError, match=named):
         Sandbox(workers=1)
 
@@ -614,7 +616,7 @@ print(json.dumps([written >> 20, sorted(errors), count]))
     written, errs, count = json.loads(r.stdout)
     assert written <= 16, r
     assert set(errs) <= {errno.ENOSPC, errno.EFBIG} and errno.ENOSPC in errs, r
-    assert count <= sandbox.MAX_FILES, r
+    assert count <= confine.MAX_FILES, r
 
 
 # ----------------------------------------------------------------------------- network

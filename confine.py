@@ -1,0 +1,220 @@
+"""confine.py: the Linux calls a sandbox run locks itself down with, through ctypes (stdlib only).
+
+seccomp: a BPF program assembled here (x86_64 and aarch64 numbers from the kernel's unistd
+headers); Landlock: a ruleset prepared once per worker over O_PATH descriptors; a private mount
+namespace with the host read-only and a tmpfs quota; every capability dropped; where a pids
+cgroup can be made; what this machine lacks of all that. sandbox.py decides the order (its
+docstring) and fails closed when missing_layer() names something.
+"""
+import contextlib
+import ctypes
+import errno
+import math
+import os
+import platform
+import socket
+import struct
+import sys
+import sysconfig
+
+MAX_FILES = 4096                   # inodes in a run's tmpfs
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.syscall.restype = ctypes.c_long
+ARCH = platform.machine()
+# Syscall numbers from the kernel's unistd headers: name, x86_64, aarch64 ("-": none there).
+# Runs get EPERM for every one, but those seccomp_filter gives a rule of their own.
+_TABLE = """fork 57 - vfork 58 - clone 56 220 clone3 435 435 execve 59 221 execveat 322 281 kill 62 129
+tkill 200 130 tgkill 234 131 rt_sigqueueinfo 129 138 rt_tgsigqueueinfo 297 240 socket 41 198
+socketpair 53 199 connect 42 203 bind 49 200 listen 50 201 ptrace 101 117 process_vm_readv 310 270
+process_vm_writev 311 271 mount 165 40 umount2 166 39 unshare 272 97 setns 308 268
+bpf 321 280 pivot_root 155 41 chroot 161 51 kexec_load 246 104 kexec_file_load 320 294
+init_module 175 105 finit_module 313 273 delete_module 176 106 perf_event_open 298 241
+userfaultfd 323 282 keyctl 250 219 add_key 248 217 request_key 249 218 open_tree 428 428
+move_mount 429 429 fsopen 430 430 fsconfig 431 431 fsmount 432 432 fspick 433 433
+mount_setattr 442 442 pidfd_open 434 434 pidfd_send_signal 424 424 pidfd_getfd 438 438
+kcmp 312 272 name_to_handle_at 303 264 open_by_handle_at 304 265 memfd_create 319 279
+memfd_secret 447 447 swapon 167 224 swapoff 168 225 reboot 169 142 sethostname 170 161
+setdomainname 171 162 iopl 172 - ioperm 173 - acct 163 89 quotactl 179 60
+quotactl_fd 443 443 syslog 103 116 lookup_dcookie 212 18 vhangup 153 58 uselib 134 -
+settimeofday 164 170 clock_settime 227 112 clock_adjtime 305 266 adjtimex 159 171
+migrate_pages 256 238 move_pages 279 239 process_madvise 440 440 process_mrelease 448 448
+io_uring_setup 425 425 io_uring_enter 426 426 io_uring_register 427 427 prlimit64 302 261
+setpriority 141 140 ioprio_set 251 30 sched_setaffinity 203 122 sched_setscheduler 144 119
+sched_setparam 142 118 sched_setattr 314 274 nfsservctl 180 42 fanotify_init 300 262
+prctl 157 167 shmget 29 194 shmat 30 196 shmctl 31 195 shmdt 67 197 semget 64 190
+semop 65 193 semctl 66 191 semtimedop 220 192 msgget 68 186 msgsnd 69 189 msgrcv 70 188
+msgctl 71 187 mq_open 240 180 mq_unlink 241 181 mq_timedsend 242 182 mq_timedreceive 243 183
+mq_notify 244 184 mq_getsetattr 245 185""".split()
+_SYSCALLS = {arch: {name: int(nr) for name, nr in zip(_TABLE[::3], _TABLE[column::3]) if nr != "-"}
+             for column, arch in ((1, "x86_64"), (2, "aarch64"))}
+_AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
+_NR_LANDLOCK_CREATE, _NR_LANDLOCK_ADD_RULE, _NR_LANDLOCK_RESTRICT = 444, 445, 446
+# BPF and seccomp constants (linux/filter.h, linux/seccomp.h), prctl options, Landlock rights.
+_LD, _JEQ, _JGE, _AND, _RET = 0x20, 0x15, 0x35, 0x54, 0x06
+_ALLOW, _ERRNO, _KILL_PROCESS = 0x7FFF0000, 0x00050000, 0x80000000
+_CLONE_THREAD, _CLONE_NEW = 0x00010000, 0x7E020080   # NEW{NS,CGROUP,UTS,IPC,USER,PID,NET,TIME}
+_OWN, _GROUP = "own", "group"      # the run's pid and -pid, filled in by each child
+PR_SET_PDEATHSIG, _PR_CAPBSET_DROP, _PR_SET_SECCOMP, _PR_SET_SECUREBITS = 1, 24, 22, 28
+PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS, _PR_CAP_AMBIENT = 36, 38, 47
+_LL_EXECUTE, _LL_WRITE, _LL_READ, _LL_READ_DIR, _LL_MAKE_CHAR, _LL_MAKE_BLOCK = 1, 2, 4, 8, 64, 2048
+_LL_REFER, _LL_TRUNCATE, _LL_IOCTL_DEV = 8192, 16384, 32768   # ABI 2, 3, 5
+
+
+def _check(ret: int, what: str) -> int:
+    if ret == -1:
+        raise OSError(ctypes.get_errno(), f"{what}: {os.strerror(ctypes.get_errno())}")
+    return ret
+
+
+def _syscall(number: int, *args, what: str = "syscall") -> int:   # buffers as pointers, the rest as longs
+    return _check(_libc.syscall(ctypes.c_long(number), *[a if isinstance(a, ctypes.Array) else ctypes.c_long(a)
+                                                         for a in args]), what)
+
+
+def prctl(option: int, a2: int = 0, a3: int = 0) -> int:
+    return _check(_libc.prctl(*map(ctypes.c_ulong, (option, a2, a3, 0, 0))), f"prctl({option})")
+
+
+def seccomp_filter() -> list:
+    """The filter as (code, jt, jf, k) tuples; k may be _OWN or _GROUP, set per child."""
+    deny, allow = (_RET, 0, 0, _ERRNO | errno.EPERM), (_RET, 0, 0, _ALLOW)
+    prog = [(_LD, 0, 0, 4), (_JEQ, 1, 0, _AUDIT_ARCH[ARCH]), (_RET, 0, 0, _KILL_PROCESS), (_LD, 0, 0, 0)]
+    if ARCH == "x86_64":       # x32 ABI numbers have bit 30 set: refuse them all
+        prog += [(_JGE, 0, 1, 0x40000000), deny]
+
+    def arg(index):             # seccomp_data.args[index], its low 32 bits (little-endian)
+        return (_LD, 0, 0, 16 + 8 * index)
+
+    def only(index, *values):   # allowed when argument `index` is one of `values`
+        return [arg(index), *[(_JEQ, len(values) - i, 0, v) for i, v in enumerate(values)], deny, allow]
+
+    rules = {"clone3": [(_RET, 0, 0, _ERRNO | errno.ENOSYS)],     # glibc falls back to clone()
+             "clone": [arg(0), (_AND, 0, 0, _CLONE_THREAD | _CLONE_NEW), (_JEQ, 1, 0, _CLONE_THREAD), deny, allow],
+             # Stream socketpairs stay (asyncio's self-pipe needs one): they reach no one.
+             "socketpair": [arg(0), (_JEQ, 1, 0, socket.AF_UNIX), deny, arg(1), (_AND, 0, 0, 0xF),
+                            (_JEQ, 1, 0, socket.SOCK_STREAM), deny, allow],
+             "kill": only(0, 0, _OWN, _GROUP),
+             # Clearing the parent-death signal would let a sleeping run outlive its worker.
+             "prctl": [arg(0), (_JEQ, 0, 1, PR_SET_PDEATHSIG), deny, allow]}
+    rules.update({name: only(0, _OWN) for name in ("tgkill", "rt_sigqueueinfo", "rt_tgsigqueueinfo")})
+    rules.update({name: only(0, 0, _OWN) for name in ("prlimit64", "sched_setaffinity", "sched_setscheduler",
+                                                      "sched_setparam", "sched_setattr")})
+    for name, number in _SYSCALLS[ARCH].items():
+        block = rules.get(name, [deny])
+        prog += [(_JEQ, 0, len(block), number), *block]
+    return prog + [allow]
+
+
+def install_seccomp(program: list, pid: int) -> None:
+    values = {_OWN: pid, _GROUP: -pid}
+    code = b"".join(struct.pack("HBBI", c, jt, jf, values.get(k, k) & 0xFFFFFFFF) for c, jt, jf, k in program)
+    buffer = ctypes.create_string_buffer(code, len(code))
+    fprog = ctypes.create_string_buffer(struct.pack("HxxxxxxQ", len(program), ctypes.addressof(buffer)), 16)
+    prctl(_PR_SET_SECCOMP, 2, ctypes.addressof(fprog))               # SECCOMP_MODE_FILTER
+
+
+def landlock_abi() -> int:
+    """The kernel's Landlock ABI version, 0 when Landlock is missing or disabled."""
+    try:
+        return max(0, _syscall(_NR_LANDLOCK_CREATE, 0, 0, 1))
+    except OSError:
+        return 0
+
+
+class Landlock:
+    """The ruleset of every run of a worker, prepared once over O_PATH descriptors the
+    worker keeps open; a child adds its working directory and restricts itself."""
+
+    def __init__(self, abi: int, read_paths: list):
+        self.handled = (1 << 13) - 1 | _LL_REFER * (abi >= 2) | _LL_TRUNCATE * (abi >= 3) | _LL_IOCTL_DEV * (abi >= 5)
+        net, scope = 3 * (abi >= 4), 3 * (abi >= 6)      # TCP bind+connect; abstract sockets+signals
+        self.attr, self.size = struct.pack("QQQ", self.handled, net, scope), 8 if abi < 4 else 16 if abi < 6 else 24
+        rw = _LL_READ | _LL_WRITE | _LL_TRUNCATE | _LL_IOCTL_DEV
+        wanted = [(path, _LL_READ | _LL_READ_DIR) for path in read_paths] + [(f"/dev/{name}", rw) for name in (
+            "null", "full")] + [(f"/dev/{name}", _LL_READ) for name in ("zero", "urandom", "random")]
+        self.fds, self.rules = [], []
+        for path, rights in filter(lambda item: os.path.exists(item[0]), wanted):
+            self.fds.append(os.open(path, os.O_PATH | os.O_CLOEXEC))
+            self.rules.append((rights & self.handled & (~0 if os.path.isdir(path) else rw | _LL_EXECUTE), self.fds[-1]))
+
+    def install(self) -> None:
+        """Confine this process; the working directory is the current one."""
+        ruleset = _syscall(_NR_LANDLOCK_CREATE, ctypes.create_string_buffer(self.attr), self.size, 0,
+                           what="landlock_create_ruleset")
+        cwd = os.open(".", os.O_PATH | os.O_DIRECTORY)
+        for rights, fd in self.rules + [(self.handled & ~(_LL_EXECUTE | _LL_MAKE_CHAR | _LL_MAKE_BLOCK), cwd)]:
+            _syscall(_NR_LANDLOCK_ADD_RULE, ruleset, 1, ctypes.create_string_buffer(struct.pack("=Qi", rights, fd)), 0,
+                     what="landlock_add_rule")
+        _syscall(_NR_LANDLOCK_RESTRICT, ruleset, 0, what="landlock_restrict_self")
+        for fd in self.fds + [cwd, ruleset]:
+            os.close(fd)
+
+
+def enter_mount_namespace(workdir: str, disk_mb: float) -> None:
+    """Every mount read-only, nosuid and private (a shared "/" would propagate our tmpfs to
+    the host) in one recursive mount_setattr, then a fresh tmpfs on the working directory."""
+    _check(_libc.unshare(0x00020000), "unshare(CLONE_NEWNS)")
+    attr = ctypes.create_string_buffer(struct.pack("QQQQ", 1 | 2, 0, 1 << 18, 0), 32)
+    _syscall(_SYSCALLS[ARCH]["mount_setattr"], -100, ctypes.create_string_buffer(b"/"), 0x8000, attr, 32,
+             what="mount_setattr")                           # AT_FDCWD, AT_RECURSIVE
+    options = f"size={int(disk_mb * 2 ** 20)},nr_inodes={MAX_FILES},mode=0700".encode()
+    _check(_libc.mount(b"sandbox", workdir.encode(), b"tmpfs", 2 | 4 | 8, options), "mount(tmpfs)")
+    os.chdir(workdir)                                          # into the tmpfs, not beneath it
+
+
+def drop_capabilities(last_cap: int) -> None:
+    """Every capability gone for good: root's special treatment locked off (an exec could
+    not regain them), bounding and ambient sets emptied, then the rest."""
+    prctl(_PR_SET_SECUREBITS, 0xEF)   # NOROOT, NO_SETUID_FIXUP, NO_CAP_AMBIENT_RAISE + locks
+    for cap in range(last_cap + 1):
+        prctl(_PR_CAPBSET_DROP, cap)
+    prctl(_PR_CAP_AMBIENT, 4)         # PR_CAP_AMBIENT_CLEAR_ALL
+    _check(_libc.capset(struct.pack("Ii", 0x20080522, 0), bytes(24)), "capset")   # version 3
+
+
+def readable_paths() -> list:
+    """What a run may read: system libraries and the Python installation, no more (an
+    editable project install on sys.path, say, is left out on purpose)."""
+    paths = ["/usr", "/lib", "/lib64", "/lib32", "/etc/ld.so.cache", "/etc/localtime", "/sys/devices/system/cpu",
+             sysconfig.get_config_var("LIBDIR")] + [sysconfig.get_paths()[k] for k in ("stdlib", "purelib", "platlib")]
+    real = [os.path.realpath(p) for p in paths if p and os.path.exists(p)]
+    return sorted(set(real), key=real.index)
+
+
+def pids_cgroup() -> tuple:
+    """(directory, version) where this process may create pids cgroups: its own cgroup of
+    the v1 pids hierarchy, else of cgroup2 when pids is delegated to its children."""
+    try:
+        paths = dict(line.rstrip("\n").split(":", 2)[1:] for line in open("/proc/self/cgroup"))
+    except OSError:
+        return None, None
+    candidates = [("/sys/fs/cgroup/pids" + paths.get("pids", "/").rstrip("/"), "v1", "cgroup.procs")] + [
+        (root + paths.get("", "/").rstrip("/"), "v2", "cgroup.subtree_control")
+        for root in ("/sys/fs/cgroup", "/sys/fs/cgroup/unified")]
+    for directory, version, probe in candidates:
+        with contextlib.suppress(OSError):
+            if os.access(directory, os.W_OK) and (version == "v1" or "pids" in open(f"{directory}/{probe}").read()):
+                return directory, version
+    return None, None
+
+
+def available_cores() -> int:
+    """Cores this process may use: its CPU affinity, capped by a cgroup CPU quota (v2, else v1)."""
+    cores = len(os.sched_getaffinity(0))
+    for quota_file, period_file in (("cpu.max", "cpu.max"), ("cpu/cpu.cfs_quota_us", "cpu/cpu.cfs_period_us")):
+        with contextlib.suppress(OSError, ValueError):
+            quota, period = (open("/sys/fs/cgroup/" + f).read().split()[i] for f, i in ((quota_file, 0), (period_file, -1)))
+            if quota not in ("max", "-1"):
+                cores = min(cores, max(1, math.ceil(int(quota) / int(period))))
+    return cores
+
+
+def missing_layer() -> str | None:
+    """What this machine lacks of the layers a run needs (the probe run checks the rest)."""
+    return (not sys.platform.startswith("linux") and "Linux") or \
+        (ARCH not in _SYSCALLS and f"a seccomp filter for {ARCH}") or \
+        (os.geteuid() != 0 and "root (a private mount namespace needs CAP_SYS_ADMIN)") or \
+        (not landlock_abi() and "Landlock (Linux 5.13+, landlock in the lsm= list)") or \
+        (not hasattr(os, "pidfd_open") and "pidfd_open (Linux 5.3+)") or \
+        (not pids_cgroup()[0] and "a writable pids cgroup (v1, or cgroup2 with pids delegated)") or None
