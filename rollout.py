@@ -35,6 +35,8 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
+from model import transposed, transposed_weights
+
 try:  # optional GPU kernels (paged KV)
     from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
 except Exception:  # ImportError, or a broken CUDA build
@@ -229,9 +231,10 @@ class PagedKVCache:
             self.cu_k_t = upload(list(itertools.accumulate(self.k_lens, initial=0)), dev, torch.int32)
         if decode and not self.use_flash:
             self.groups = self._length_groups()
-            if self.rows:  # after this step every row holds len(seq) tokens
-                self.row_cached = {id(s): len(s) for s in batch}
-                self.row_pos = upload([n - 1 for n in self.k_lens], dev, torch.long)
+            if self.rows:  # after this step every row holds len(seq) tokens; row r, head h of this step's
+                self.row_cached = {id(s): len(s) for s in batch}  # k/v go to element (r * Hkv + h) * cap + len - 1
+                hkv, cap = self.rows_k[0].shape[1:3]
+                self.row_index = upload([(r * hkv + h) * cap + n - 1 for r, n in enumerate(self.k_lens) for h in range(hkv)], dev, torch.long)
         shape = (len(batch), 1) if decode else (1, len(ids))
         return upload(ids, dev, torch.long).view(shape), upload(positions, dev, torch.long).view(shape)
 
@@ -279,8 +282,8 @@ class PagedKVCache:
                     width = min(pool.shape[1], rows.shape[2])  # the last block may overhang the buffer
                     rows[:len(self.rows), :, :width].copy_(pool[:, :width].transpose(1, 2))
                 self.stale[layer] = False
-            index = torch.arange(len(self.rows), device=self.device)
-            rows_k[index, :, self.row_pos], rows_v[index, :, self.row_pos] = k.to(rows_k.dtype), v.to(rows_v.dtype)
+            for rows, new in ((rows_k, k), (rows_v, v)):
+                rows.view(-1, rows.shape[-1]).index_copy_(0, self.row_index, new.reshape(-1, new.shape[-1]).to(rows.dtype))
         (B, Hq, D), hkv = q.shape, k.shape[1]
         outs = []
         for start, end, width, bias in self.groups:
@@ -290,11 +293,11 @@ class PagedKVCache:
                 blocks = self.block_tables[start:end, :-(-width // self.block_size)].flatten().long()
                 keys, values = (t.view(end - start, -1, hkv, D)[:, :width].transpose(1, 2).contiguous()
                                 for t in self._gather(layer, blocks))
-            qg = q[start:end].view(end - start, hkv, Hq // hkv, D)          # query head h reads kv head h // G
-            scores = torch.matmul(qg, keys.transpose(-1, -2)) * D ** -0.5   # [n, Hkv, G, width]
+            qg = q[start:end].view(end - start, hkv, Hq // hkv, D)              # query head h reads kv head h // G
+            scores = torch.matmul(qg, keys.transpose(-1, -2)).mul_(D ** -0.5)   # [n, Hkv, G, width]
             probs = (scores if bias is None else scores + bias).softmax(-1, dtype=torch.float32).to(q.dtype)
             outs.append(torch.matmul(probs, values).view(end - start, Hq, D))
-        return torch.cat(outs)
+        return torch.cat(outs) if len(outs) > 1 else outs[0]
 
     def _attend_prefill(self, layer, q, k, v):
         # one causal attention per sequence; one with cached tokens reads them from its blocks
@@ -384,6 +387,7 @@ class Engine:
         self.cache = PagedKVCache(cfg, num_blocks, block_size, self.device, self.dtype, self.use_flash, row_budget)
         self.max_num_seqs, self.max_prefill_tokens, self.raw_logprobs = max_num_seqs, max_prefill_tokens, raw_logprobs
         self.waiting, self.running, self.held = deque(), deque(), []
+        self.weights_t = {}  # CPU: [in, out] weight copies (model.Linear), remade when a weight changes
         self.stats = dict(prefill_tokens=0, decode_tokens=0, shared_tokens=0, preemptions=0)
 
     def has_work(self):
@@ -463,8 +467,11 @@ class Engine:
         if not batch:
             return []
         input_ids, positions = self.cache.begin(batch, decode)
-        h = self.model.hidden(input_ids, positions=positions, kv_cache=self.cache)
-        logits = self.model.lm_head(h.reshape(-1, h.shape[-1])[self.cache.last_index]).float()
+        if self.device.type == "cpu":
+            self.weights_t = transposed_weights(self.model, self.weights_t)
+        with transposed(self.weights_t):
+            h = self.model.hidden(input_ids, positions=positions, kv_cache=self.cache)
+            logits = self.model.lm_head(h.reshape(-1, h.shape[-1])[self.cache.last_index]).float()
         self.stats["decode_tokens" if decode else "prefill_tokens"] += input_ids.numel()
         for seq in batch:
             seq.num_cached = len(seq)
