@@ -167,11 +167,10 @@ def transposed_weights(module, old=None):
     """{Linear in module: (version, contiguous [in, out] copy of its weight)}, for `transposed`; entries of
     `old` whose weight is unchanged (same storage, same version counter) are reused, the others remade."""
     new = {}
-    for m in module.modules():
-        if isinstance(m, Linear):
-            w = m.weight
-            version = (w.data_ptr(), -1 if w.is_inference() else w._version)
-            new[m] = old[m] if old and old.get(m, (None,))[0] == version else (version, w.detach().t().contiguous())
+    for m in old or [m for m in module.modules() if isinstance(m, Linear)]:  # old: the same modules, no walk
+        w = m.weight
+        version = (w.data_ptr(), -1 if w.is_inference() else w._version)
+        new[m] = old[m] if old and old[m][0] == version else (version, w.detach().t().contiguous())
     return new
 
 
@@ -325,7 +324,7 @@ class Transformer(nn.Module):
         if positions is None:
             positions = torch.arange(T, device=input_ids.device).expand(B, T)
         x = self.model.embed_tokens(input_ids)
-        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
+        cos, sin = self.rope(positions, x.dtype)
         for layer in self.model.layers:
             args = (x, cos, sin, packed, kv_cache, self.attn_backend)
             if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
@@ -333,6 +332,19 @@ class Transformer(nn.Module):
             else:
                 x = layer(*args)
         return self.model.norm(x)
+
+    def rope(self, positions, dtype):
+        """rope_cos_sin(positions); on CPU read from a table of the first 2^k positions (remade when a position
+        passes its end), so a decode step indexes it instead of recomputing. On CUDA computed: no host read."""
+        cfg = self.config
+        if positions.is_cuda:
+            return rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, dtype)
+        n = int(positions.max()) + 1
+        table = self.__dict__.get("_rope_table")
+        if table is None or table[0].shape[1] < n or table[0].dtype != dtype:
+            table = rope_cos_sin(torch.arange(1 << (n - 1).bit_length())[None], cfg.head_dim, cfg.rope_theta, dtype)
+            self.__dict__["_rope_table"] = table  # a plain attribute: no state_dict entry, not moved by .to()
+        return table[0][0, positions], table[1][0, positions]
 
     def forward(self, input_ids, positions=None, cu_seqlens=None, kv_cache=None):
         """input_ids [B, T] -> logits [B, T, V] (model dtype)."""

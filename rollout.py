@@ -25,6 +25,7 @@ reply (status bad_call) where verl drops it; a reply that would cross the respon
 """
 
 import concurrent.futures
+import functools
 import itertools
 import json
 import os
@@ -170,43 +171,61 @@ class BlockManager:
         seq.block_table, seq.num_cached = [], 0
 
 
+def bucket(n):
+    """The batch size a flash decode step runs at: the next power of two (a CUDA graph is captured per bucket)."""
+    return 1 << (n - 1).bit_length()
+
+
+def cuda_graph(fn, pool):
+    """fn() captured in a CUDA graph; returns replay(), which reruns it on the same buffers, returning its output."""
+    fn()  # warm-up outside the capture: lazy initialisation and the allocator's first requests
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = fn()
+
+    def replay():
+        graph.replay()
+        return out
+    return replay
+
+
 class PagedKVCache:
-    """Per-layer K/V pools [num_blocks, block_size, kv_heads, head_dim] (flash-attn's paged layout) and the
-    layout of the current step; `attend` is model.py's seam."""
+    """Per-layer K/V pools [2, blocks + 1, block_size, kv_heads, head_dim] (K then V, each in flash-attn's paged
+    layout; the last block is a spare that padded rows write to) and the layout of the current step; `attend` is
+    model.py's seam."""
 
     row_headroom = 128  # free positions past the longest row when the decode row buffers are laid out
 
     def __init__(self, config, num_blocks, block_size, device, dtype, use_flash, row_budget=0):
-        shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+        shape = (2, num_blocks + 1, block_size, config.num_key_value_heads, config.head_dim)
         # zeros, not empty: padded reads get weight 0, and 0 * NaN garbage would still be NaN
-        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.num_hidden_layers)]
-        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.num_hidden_layers)]
-        self.block_size, self.device, self.use_flash, self.scratch = block_size, device, use_flash, None
+        self.kv = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.num_hidden_layers)]
+        self.v_offset, self.spare_slot = (num_blocks + 1) * block_size, num_blocks * block_size  # in a flat view
+        self.block_size, self.device, self.use_flash, self.scratch, self.static = block_size, device, use_flash, None, None
         self.row_budget, self.rows, self.row_cached = row_budget, None, {}   # rows x capacity <= row_budget
-        self.rows_k = self.rows_v = [torch.zeros(0, 0, 0, 0)]
+        self.row_kv, self.zero = [torch.zeros(2, 0, 0, 0, 0)], torch.zeros((), device=device, dtype=dtype)
 
     def decode_order(self, batch):
         """The decode batch, longest first. While the same sequences keep decoding, each step writes one
-        token per row into contiguous row buffers [rows, Hkv, capacity, D] instead of gathering every
+        token per row into contiguous row buffers [2, rows, Hkv, capacity, D] instead of gathering every
         block again (the bench in scripts/ measures both); when the set changes or a row outgrows them,
         they are laid out again and refilled from the pool once. Rows are padded to the longest, so past
         row_budget tokens decode gathers each group's blocks every step instead."""
         if self.use_flash:
             return batch
-        if {id(s): s.num_cached for s in batch} == self.row_cached and max(map(len, batch)) <= self.rows_k[0].shape[2]:
+        if {id(s): s.num_cached for s in batch} == self.row_cached and max(map(len, batch)) <= self.row_kv[0].shape[3]:
             return self.rows  # last step's rows, one token longer each (self.rows keeps the ids alive)
         rows, step = sorted(batch, key=len, reverse=True), self.row_headroom
         capacity = -(-(len(rows[0]) + step) // step) * step
         self.rows, self.row_cached = (rows, None) if len(rows) * capacity <= self.row_budget else (None, {})
-        have_rows, _, have_capacity, _ = self.rows_k[0].shape
+        _, have_rows, _, have_capacity, _ = self.row_kv[0].shape
         if self.rows and (len(rows) > have_rows or capacity > have_capacity):
             if capacity > have_capacity:  # geometric growth: a long decode reallocates log(n) times
                 capacity = max(capacity, min(2 * have_capacity, self.row_budget // len(rows)))
-            self.rows_k = self.rows_v = None  # free the old buffers first
-            shape, dtype = (len(rows), self.k[0].shape[2], capacity, self.k[0].shape[3]), self.k[0].dtype
-            self.rows_k = [torch.zeros(shape, device=self.device, dtype=dtype) for _ in self.k]
-            self.rows_v = [torch.zeros(shape, device=self.device, dtype=dtype) for _ in self.k]
-        self.stale = [True] * len(self.k)  # per layer: refill from the pool before use
+            self.row_kv = None  # free the old buffers first
+            _, _, _, hkv, d = self.kv[0].shape
+            self.row_kv = [torch.zeros(2, len(rows), hkv, capacity, d, device=self.device, dtype=p.dtype) for p in self.kv]
+        self.stale = [True] * len(self.kv)  # per layer: refill from the pool before use
         return rows
 
     def begin(self, batch, decode):
@@ -224,19 +243,38 @@ class PagedKVCache:
         width = max(len(s.block_table) for s in batch)
         self.block_tables = upload([s.block_table + [0] * (width - len(s.block_table)) for s in batch], dev, torch.int32)
         self.context_lens = upload(self.k_lens, dev, torch.int32)
-        self.slots = upload(slots, dev, torch.long)
+        self.pool_index = upload([(s, s + self.v_offset) for s in slots], dev, torch.long)  # K and V slot of each token
         self.last_index = upload([c - 1 for c in self.cu_q[1:]], dev, torch.long)  # each sequence's last token
         if self.use_flash and not decode:
             self.cu_q_t = upload(self.cu_q, dev, torch.int32)
             self.cu_k_t = upload(list(itertools.accumulate(self.k_lens, initial=0)), dev, torch.int32)
         if decode and not self.use_flash:
             self.groups = self._length_groups()
-            if self.rows:  # after this step every row holds len(seq) tokens; row r, head h of this step's
-                self.row_cached = {id(s): len(s) for s in batch}  # k/v go to element (r * Hkv + h) * cap + len - 1
-                hkv, cap = self.rows_k[0].shape[1:3]
-                self.row_index = upload([(r * hkv + h) * cap + n - 1 for r, n in enumerate(self.k_lens) for h in range(hkv)], dev, torch.long)
+            if self.rows:  # after this step every row holds len(seq) tokens; K/V c of row r, head h
+                self.row_cached = {id(s): len(s) for s in batch}   # goes to ((c * R + r) * Hkv + h) * cap + len - 1
+                _, R, hkv, cap, _ = self.row_kv[0].shape
+                self.row_index = upload([((c * R + r) * hkv + h) * cap + n - 1 for r, n in enumerate(self.k_lens)
+                                         for c in (0, 1) for h in range(hkv)], dev, torch.long)
         shape = (len(batch), 1) if decode else (1, len(ids))
         return upload(ids, dev, torch.long).view(shape), upload(positions, dev, torch.long).view(shape)
+
+    def begin_bucketed(self, batch, max_batch, max_blocks):
+        """Lay out a flash decode step in static buffers at the bucket's batch size; returns the bucket. Padded rows
+        write the spare block and read one token of it, so real rows see nothing of them."""
+        n, b = len(batch), bucket(len(batch))
+        if self.static is None:  # ids, positions, slots, lengths; block tables (int32, as flash-attn takes them)
+            self.static = (torch.zeros(4, bucket(max_batch), dtype=torch.int32, device=self.device),
+                           torch.zeros(bucket(max_batch), max_blocks, dtype=torch.int32, device=self.device))
+        meta, tables = self.static
+        lens = [len(s) for s in batch]
+        slots = [s.block_table[(k - 1) // self.block_size] * self.block_size + (k - 1) % self.block_size for s, k in zip(batch, lens)]
+        spare = self.spare_slot // self.block_size
+        meta[:, :b].copy_(upload([[s.token_ids[-1] for s in batch] + [0] * (b - n), [k - 1 for k in lens] + [0] * (b - n),
+                                  slots + [self.spare_slot] * (b - n), lens + [1] * (b - n)], self.device, torch.int32))
+        tables[:b].copy_(upload([s.block_table + [0] * (max_blocks - len(s.block_table)) for s in batch] +
+                                [[spare] * max_blocks] * (b - n), self.device, torch.int32))
+        self.seqs, self.decode, self.context_lens, self.block_tables = batch, True, meta[3, :b], tables[:b]
+        return b
 
     def _length_groups(self):
         """Runs of rows whose longest is under twice their shortest, each attended padded to its longest
@@ -255,59 +293,57 @@ class PagedKVCache:
     def attend(self, layer, q, k, v):
         """Store this step's k/v in their slots, then attend over everything each sequence holds."""
         B, T, Hq, D = q.shape
-        q, k, v = (x.reshape(B * T, -1, D) for x in (q, k, v))
-        k_pool, v_pool = self.k[layer], self.v[layer]
-        k_pool.view(-1, *k.shape[1:]).index_copy_(0, self.slots, k.to(k_pool.dtype))
-        v_pool.view(-1, *v.shape[1:]).index_copy_(0, self.slots, v.to(v_pool.dtype))
+        q, kv = q.reshape(B * T, Hq, D), torch.stack([k.reshape(B * T, -1, D), v.reshape(B * T, -1, D)], 1)
+        pool = self.kv[layer]
+        pool.view(-1, *kv.shape[2:]).index_copy_(0, self.pool_index.flatten(), kv.flatten(0, 1))  # K and V at once
         if self.use_flash:
-            out = self._attend_flash(q, k_pool, v_pool)
+            out = self._attend_flash(q, pool)
         else:
-            out = self._attend_decode(layer, q, k, v) if self.decode else self._attend_prefill(layer, q, k, v)
+            out = self._attend_decode(layer, q, kv) if self.decode else self._attend_prefill(layer, q, kv)
         return out.reshape(B, T, Hq, D)
 
     def _gather(self, layer, blocks):
-        """k, v of the given blocks, copied into the scratch buffer: [n, block_size, Hkv, D] each."""
-        n, pool = blocks.numel(), self.k[layer]
+        """K and V of the given blocks, copied into the scratch buffer: [2, n, block_size, Hkv, D]."""
+        n, pool = blocks.numel(), self.kv[layer]
         if self.scratch is None or self.scratch.shape[1] < n:
-            self.scratch = pool.new_empty((2, max(n, 64), *pool.shape[1:]))
-        return (torch.index_select(p, 0, blocks, out=out[:n]) for p, out in zip((pool, self.v[layer]), self.scratch))
+            self.scratch = pool.new_empty((2, max(n, 64), *pool.shape[2:]))
+        return torch.index_select(pool, 1, blocks, out=self.scratch[:, :n])
 
-    def _attend_decode(self, layer, q, k, v):
+    def _attend_decode(self, layer, q, kv):
         # one query per row, attended per group of similar lengths
         if self.rows:
-            rows_k, rows_v = self.rows_k[layer], self.rows_v[layer]
+            rows = self.row_kv[layer]
+            D = q.shape[-1]
             if self.stale[layer]:  # copy every row's cached K/V out of the pool, head-major
-                for pool, rows in zip(self._gather(layer, self.block_tables.flatten().long()), (rows_k, rows_v)):
-                    pool = pool.view(len(self.rows), -1, *pool.shape[2:])
-                    width = min(pool.shape[1], rows.shape[2])  # the last block may overhang the buffer
-                    rows[:len(self.rows), :, :width].copy_(pool[:, :width].transpose(1, 2))
+                pool = self._gather(layer, self.block_tables.flatten().long()).view(2, len(self.rows), -1, *kv.shape[2:])
+                width = min(pool.shape[2], rows.shape[3])  # the last block may overhang the buffer
+                rows[:, :len(self.rows), :, :width].copy_(pool[:, :, :width].transpose(2, 3))
                 self.stale[layer] = False
-            for rows, new in ((rows_k, k), (rows_v, v)):
-                rows.view(-1, rows.shape[-1]).index_copy_(0, self.row_index, new.reshape(-1, new.shape[-1]).to(rows.dtype))
-        (B, Hq, D), hkv = q.shape, k.shape[1]
+            rows.view(-1, D).index_copy_(0, self.row_index, kv.view(-1, D))
+        (B, Hq, D), hkv = q.shape, kv.shape[2]
         outs = []
         for start, end, width, bias in self.groups:
             if self.rows:
-                keys, values = rows_k[start:end, :, :width], rows_v[start:end, :, :width]
+                keys, values = rows[:, start:end, :, :width]
             else:  # gather the group's blocks (this step's k/v are already in the pool)
                 blocks = self.block_tables[start:end, :-(-width // self.block_size)].flatten().long()
-                keys, values = (t.view(end - start, -1, hkv, D)[:, :width].transpose(1, 2).contiguous()
-                                for t in self._gather(layer, blocks))
-            qg = q[start:end].view(end - start, hkv, Hq // hkv, D)              # query head h reads kv head h // G
-            scores = torch.matmul(qg, keys.transpose(-1, -2)).mul_(D ** -0.5)   # [n, Hkv, G, width]
-            probs = (scores if bias is None else scores + bias).softmax(-1, dtype=torch.float32).to(q.dtype)
-            outs.append(torch.matmul(probs, values).view(end - start, Hq, D))
+                keys, values = self._gather(layer, blocks).view(2, end - start, -1, hkv, D)[:, :, :width].transpose(2, 3).contiguous()
+            n = end - start  # query head h reads kv head h // G; scores [n * Hkv, G, width]
+            scores = torch.baddbmm(self.zero, q[start:end].reshape(n * hkv, Hq // hkv, D),
+                                   keys.flatten(0, 1).transpose(1, 2), beta=0, alpha=D ** -0.5)
+            probs = (scores if bias is None else scores.view(n, hkv, -1, width) + bias).softmax(-1, dtype=torch.float32)
+            outs.append(torch.matmul(probs.to(q.dtype).view(n, hkv, -1, width), values).view(n, Hq, D))
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
-    def _attend_prefill(self, layer, q, k, v):
+    def _attend_prefill(self, layer, q, kv):
         # one causal attention per sequence; one with cached tokens reads them from its blocks
         outs = []
         for i, (q_len, k_len) in enumerate(zip(self.q_lens, self.k_lens)):
             s, e = self.cu_q[i], self.cu_q[i + 1]
-            ki, vi, mask = k[s:e], v[s:e], None
+            ki, vi, mask = kv[s:e, 0], kv[s:e, 1], None
             if q_len < k_len:
                 blocks = self.block_tables[i, :-(-k_len // self.block_size)].long()
-                ki, vi = (t.flatten(0, 1)[:k_len] for t in self._gather(layer, blocks))
+                ki, vi = self._gather(layer, blocks).flatten(1, 2)[:, :k_len]
                 # query j sits at position k_len - q_len + j and sees keys up to there
                 mask = torch.ones(q_len, k_len, dtype=torch.bool, device=q.device).tril(k_len - q_len)
             qi, ki, vi = (t.transpose(0, 1)[None] for t in (q[s:e], ki, vi))  # [1, H, T, D]
@@ -315,12 +351,12 @@ class PagedKVCache:
             outs.append(out[0].transpose(0, 1))
         return torch.cat(outs)
 
-    def _attend_flash(self, q, k_pool, v_pool):
+    def _attend_flash(self, q, pool):
         # flash-attn reads the paged pools through the block table (block size a multiple of 256)
         if self.decode:
-            return flash_attn_with_kvcache(q[:, None], k_pool, v_pool, cache_seqlens=self.context_lens,
+            return flash_attn_with_kvcache(q[:, None], pool[0], pool[1], cache_seqlens=self.context_lens,
                                            block_table=self.block_tables, causal=True)[:, 0]
-        return flash_attn_varlen_func(q, k_pool, v_pool, self.cu_q_t, self.cu_k_t, max(self.q_lens),
+        return flash_attn_varlen_func(q, pool[0], pool[1], self.cu_q_t, self.cu_k_t, max(self.q_lens),
                                       max(self.k_lens), causal=True, block_table=self.block_tables)
 
 
@@ -383,11 +419,15 @@ class Engine:
                 num_blocks = min(num_blocks, sum(-(-n // block_size) for n in max_seq_lens))
         else:
             row_budget = num_blocks * block_size
+        longest = max(max_seq_lens) if max_seq_lens else cfg.max_position_embeddings
+        self.max_blocks = min(num_blocks, -(-longest // block_size))  # block-table width of a bucketed step
         self.num_blocks, self.blocks = num_blocks, BlockManager(num_blocks, block_size, share_prefix)
         self.cache = PagedKVCache(cfg, num_blocks, block_size, self.device, self.dtype, self.use_flash, row_budget)
         self.max_num_seqs, self.max_prefill_tokens, self.raw_logprobs = max_num_seqs, max_prefill_tokens, raw_logprobs
         self.waiting, self.running, self.held = deque(), deque(), []
         self.weights_t = {}  # CPU: [in, out] weight copies (model.Linear), remade when a weight changes
+        self.graphs, self.use_graphs = {}, self.use_flash and self.device.type == "cuda"  # bucket -> step
+        self.graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self.stats = dict(prefill_tokens=0, decode_tokens=0, shared_tokens=0, preemptions=0)
 
     def has_work(self):
@@ -466,13 +506,21 @@ class Engine:
         batch = self._schedule_decode() if decode else batch
         if not batch:
             return []
-        input_ids, positions = self.cache.begin(batch, decode)
-        if self.device.type == "cpu":
-            self.weights_t = transposed_weights(self.model, self.weights_t)
-        with transposed(self.weights_t):
-            h = self.model.hidden(input_ids, positions=positions, kv_cache=self.cache)
-            logits = self.model.lm_head(h.reshape(-1, h.shape[-1])[self.cache.last_index]).float()
-        self.stats["decode_tokens" if decode else "prefill_tokens"] += input_ids.numel()
+        if decode and self.use_flash:  # shapes fixed per batch bucket: on CUDA one graph per bucket, replayed
+            b = self.cache.begin_bucketed(batch, self.max_num_seqs, self.max_blocks)
+            if b not in self.graphs:
+                step = functools.partial(self._bucketed_decode, b)
+                self.graphs[b] = cuda_graph(step, self.graph_pool) if self.use_graphs else step
+            logits = self.graphs[b]()[:len(batch)]
+            self.stats["decode_tokens"] += len(batch)
+        else:
+            input_ids, positions = self.cache.begin(batch, decode)
+            if self.device.type == "cpu":
+                self.weights_t = transposed_weights(self.model, self.weights_t)
+            with transposed(self.weights_t):
+                h = self.model.hidden(input_ids, positions=positions, kv_cache=self.cache)
+                logits = self.model.lm_head(h[:, 0] if decode else h[0, self.cache.last_index]).float()
+            self.stats["decode_tokens" if decode else "prefill_tokens"] += input_ids.numel()
         for seq in batch:
             seq.num_cached = len(seq)
         self.running.extend([] if decode else batch)
@@ -486,6 +534,14 @@ class Engine:
             self.running = deque(s for s in self.running if s.finish_reason is None)
             self.held += stopped
         return stopped
+
+    def _bucketed_decode(self, b):
+        """The flash decode step of bucket b. It reads only the static buffers, so its CUDA graph replays any step."""
+        meta = self.cache.static[0][:, :b]
+        slots = meta[2].long()
+        self.cache.pool_index = torch.stack([slots, slots + self.cache.v_offset], 1)
+        h = self.model.hidden(meta[0, :, None].long(), positions=meta[1, :, None].long(), kv_cache=self.cache)
+        return self.model.lm_head(h[:, 0]).float()
 
     def _sample(self, batch, logits):
         params = [s.params for s in batch]

@@ -101,11 +101,11 @@ def test_decode_rows_regrow_and_refill(sharp, monkeypatch):
     monkeypatch.setattr(rollout.PagedKVCache, "row_headroom", 2)
     engine = Engine(model, max_num_seqs=2, max_seq_lens=[len(p) + b for p, b in zip(prompts, budgets)])
     got = complete(model, prompts, budgets, temperature=1.0, seed=3, engine=engine)
-    assert engine.cache.rows_k[0].shape[2] > 2
+    assert engine.cache.row_kv[0].shape[3] > 2
     gathered = Engine(model, max_num_seqs=2, max_seq_lens=[len(p) + b for p, b in zip(prompts, budgets)])
     gathered.cache.row_budget = 0
     assert [c.token_ids for c in complete(model, prompts, budgets, temperature=1.0, seed=3, engine=gathered)] == \
-        [c.token_ids for c in got] and gathered.cache.rows_k[0].numel() == 0
+        [c.token_ids for c in got] and gathered.cache.row_kv[0].numel() == 0
     for p, b, w, g in zip(prompts, budgets, want, got):
         assert g.token_ids == w.token_ids[:b]
         assert torch.allclose(torch.tensor(g.logprobs), torch.tensor(w.logprobs[:b]), atol=1e-5, rtol=0)
