@@ -3,8 +3,9 @@
 `generate` / `complete`: token-id prompts in, new ids (and log-probs) out. K/V sits in fixed-size blocks
 with a block table per sequence; full prompt blocks are shared by reference count (the n samples of a
 prompt prefill it once); continuous batching; preemption by recompute when blocks run out. With
-flash-attn importable on CUDA, attention reads the paged pools; elsewhere prefill uses SDPA and decode
-keeps the running rows' K/V contiguous between steps. Sampling: greedy at temperature 0, else
+flash-attn importable on CUDA, attention reads the paged pools and a decode step runs at a fixed batch
+bucket, one CUDA graph per bucket; elsewhere prefill uses SDPA and decode keeps the running rows' K/V
+contiguous between steps (on CPU against transposed weight copies). Sampling: greedy at temperature 0, else
 temperature, top-k, top-p and a float64 inverse CDF fed by each sequence's own seeded generator, with
 each token's log-prob (optionally its temperature-1 log-prob). The random stream of a sequence does not
 depend on batching, preemption or tool timing; the logits do in their last bits: on CPU in fp32 the
@@ -19,8 +20,8 @@ other trajectories keep decoding. The reply (mask 0) is what the chat template r
 plain text: no string in it becomes an added token, special or not. Token in, token out. A turn ended by
 another end id (<|endoftext|>) ends the trajectory ("eos"). REPL: scripts/chat.py; bench: scripts/bench_rollout.py.
 
-Departures from the paper (vLLM inside verl's agent loop): plain PyTorch, no CUDA graphs, no cache of
-freed prefix blocks; a malformed call (bad JSON, unknown tool, no code, unclosed) gets a short error
+Departures from the paper (vLLM inside verl's agent loop): plain PyTorch, no cache of freed prefix
+blocks; a malformed call (bad JSON, unknown tool, no code, unclosed) gets a short error
 reply (status bad_call) where verl drops it; a reply that would cross the response budget is cut there.
 """
 
@@ -225,7 +226,7 @@ class PagedKVCache:
             self.row_kv = None  # free the old buffers first
             _, _, _, hkv, d = self.kv[0].shape
             self.row_kv = [torch.zeros(2, len(rows), hkv, capacity, d, device=self.device, dtype=p.dtype) for p in self.kv]
-        self.stale = [True] * len(self.kv)  # per layer: refill from the pool before use
+        self.stale = True  # refill from the pool before the step
         return rows
 
     def begin(self, batch, decode):
@@ -237,7 +238,7 @@ class PagedKVCache:
             ids += seq.token_ids[seq.num_cached:]
             positions += span
             slots += [seq.block_table[p // bs] * bs + p % bs for p in span]
-        self.seqs, self.decode = batch, decode
+        self.seqs, self.decode, self.use_rows = batch, decode, decode and bool(self.rows)  # a bool: what torch.compile guards
         self.k_lens, self.q_lens = [len(s) for s in batch], [len(s) - s.num_cached for s in batch]
         self.cu_q = list(itertools.accumulate(self.q_lens, initial=0))
         width = max(len(s.block_table) for s in batch)
@@ -250,6 +251,12 @@ class PagedKVCache:
             self.cu_k_t = upload(list(itertools.accumulate(self.k_lens, initial=0)), dev, torch.int32)
         if decode and not self.use_flash:
             self.groups = self._length_groups()
+            if self.rows and self.stale:  # copy every row's cached K/V out of the pool, head-major
+                for layer, rows in enumerate(self.row_kv):
+                    pool = self._gather(layer, self.block_tables.flatten().long()).view(2, len(batch), -1, *self.kv[0].shape[3:])
+                    width = min(pool.shape[2], rows.shape[3])  # the last block may overhang the buffer
+                    rows[:, :len(batch), :, :width].copy_(pool[:, :, :width].transpose(2, 3))
+                self.stale = False
             if self.rows:  # after this step every row holds len(seq) tokens; K/V c of row r, head h
                 self.row_cached = {id(s): len(s) for s in batch}   # goes to ((c * R + r) * Hkv + h) * cap + len - 1
                 _, R, hkv, cap, _ = self.row_kv[0].shape
@@ -311,19 +318,13 @@ class PagedKVCache:
 
     def _attend_decode(self, layer, q, kv):
         # one query per row, attended per group of similar lengths
-        if self.rows:
-            rows = self.row_kv[layer]
-            D = q.shape[-1]
-            if self.stale[layer]:  # copy every row's cached K/V out of the pool, head-major
-                pool = self._gather(layer, self.block_tables.flatten().long()).view(2, len(self.rows), -1, *kv.shape[2:])
-                width = min(pool.shape[2], rows.shape[3])  # the last block may overhang the buffer
-                rows[:, :len(self.rows), :, :width].copy_(pool[:, :, :width].transpose(2, 3))
-                self.stale[layer] = False
-            rows.view(-1, D).index_copy_(0, self.row_index, kv.view(-1, D))
         (B, Hq, D), hkv = q.shape, kv.shape[2]
+        if self.use_rows:
+            rows = self.row_kv[layer]
+            rows.view(-1, D).index_copy_(0, self.row_index, kv.view(-1, D))
         outs = []
         for start, end, width, bias in self.groups:
-            if self.rows:
+            if self.use_rows:
                 keys, values = rows[:, start:end, :, :width]
             else:  # gather the group's blocks (this step's k/v are already in the pool)
                 blocks = self.block_tables[start:end, :-(-width // self.block_size)].flatten().long()
@@ -400,7 +401,7 @@ class Engine:
 
     def __init__(self, model, max_num_seqs=256, max_prefill_tokens=8192, num_blocks=None, block_size=None,
                  max_seq_lens=None, kv_memory_fraction=0.7, kv_cache_bytes=4 << 30, share_prefix=True,
-                 raw_logprobs=False):
+                 raw_logprobs=False, compile=False):
         self.model, cfg, param = model, model.config, next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         backend = getattr(model, "attn_backend", "auto")  # model.py's switch: "auto" | "sdpa" | "flash"
@@ -426,6 +427,9 @@ class Engine:
         self.max_num_seqs, self.max_prefill_tokens, self.raw_logprobs = max_num_seqs, max_prefill_tokens, raw_logprobs
         self.waiting, self.running, self.held = deque(), deque(), []
         self.weights_t = {}  # CPU: [in, out] weight copies (model.Linear), remade when a weight changes
+        # compile: CPU decode steps of one length group through torch.compile (needs a C++ compiler; each new
+        # graph compiles for ~30 s: with and without a padding mask, one row and more; other steps run eagerly)
+        self.compiled = torch.compile(model.hidden, dynamic=True) if compile and not self.use_flash else None
         self.graphs, self.use_graphs = {}, self.use_flash and self.device.type == "cuda"  # bucket -> step
         self.graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self.stats = dict(prefill_tokens=0, decode_tokens=0, shared_tokens=0, preemptions=0)
@@ -518,7 +522,8 @@ class Engine:
             if self.device.type == "cpu":
                 self.weights_t = transposed_weights(self.model, self.weights_t)
             with transposed(self.weights_t):
-                h = self.model.hidden(input_ids, positions=positions, kv_cache=self.cache)
+                one_group = decode and self.compiled and len(self.cache.groups) == 1
+                h = (self.compiled if one_group else self.model.hidden)(input_ids, positions=positions, kv_cache=self.cache)
                 logits = self.model.lm_head(h[:, 0] if decode else h[0, self.cache.last_index]).float()
             self.stats["decode_tokens" if decode else "prefill_tokens"] += input_ids.numel()
         for seq in batch:

@@ -29,6 +29,7 @@ class ScriptedModel(nn.Module):
     def __init__(self, config, script, model=None):
         super().__init__()
         self.config, self.script, self.model = config, script, model
+        self.attn_backend = "sdpa"  # the script reads the step's rows on the host: no bucketed flash step, no graph
         self.anchor = nn.Parameter(torch.zeros(1)) if model is None else None  # device and dtype
         self.lm_head = nn.Identity()  # hidden already holds the logits
 

@@ -220,40 +220,100 @@ def test_greedy_rows_and_top_p_in_generate(sharp):
     assert generate(model, prompts, 10, temperature=1.0, top_p=1e-6, seed=0) == generate(model, prompts, 10)
 
 
+def _gather(cache, table, n):
+    return cache[table.long()].flatten(0, 1)[:n]
+
+
+def _attend(q, k, v):  # q [Tq, H, D], k/v [Tk, Hkv, D], bottom-right causal
+    Tq, Tk = q.shape[0], k.shape[0]
+    mask = torch.ones(Tq, Tk, dtype=torch.bool).tril(Tk - Tq)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, enable_gqa=True)
+    return out.transpose(0, 1)
+
+
+def ref_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal, block_table):
+    """flash_attn_varlen_func's documented semantics on paged caches [blocks, block, heads, dim], in torch."""
+    assert causal and k.dim() == 4
+    return torch.cat([_attend(q[cu_q[i]:cu_q[i + 1]], _gather(k, block_table[i], cu_k[i + 1] - cu_k[i]),
+                              _gather(v, block_table[i], cu_k[i + 1] - cu_k[i])) for i in range(len(cu_q) - 1)])
+
+
+def ref_with_kvcache(q, k, v, cache_seqlens, block_table, causal):
+    """flash_attn_with_kvcache's (one query per sequence, a block table, a length per sequence), in torch."""
+    assert causal and q.shape[1] == 1 and cache_seqlens.dtype == block_table.dtype == torch.int32
+    ref_with_kvcache.batch_sizes.append(q.shape[0])
+    return torch.stack([_attend(q[i], _gather(k, block_table[i], n), _gather(v, block_table[i], n))
+                        for i, n in enumerate(cache_seqlens.tolist())])
+
+
+def flash_engine(model, monkeypatch, **kwargs):
+    """An Engine on the CUDA code path, with the reference kernels standing in for flash-attn."""
+    monkeypatch.setattr(rollout, "flash_attn_varlen_func", ref_varlen)
+    monkeypatch.setattr(rollout, "flash_attn_with_kvcache", ref_with_kvcache)
+    monkeypatch.setattr(model, "attn_backend", "flash")
+    ref_with_kvcache.batch_sizes = []
+    engine = Engine(model, **kwargs)
+    assert engine.use_flash
+    return engine
+
+
 def test_flash_plumbing_with_reference_kernels(sharp, monkeypatch):
     """The CUDA path's calls, checked on CPU against pure-torch kernels with flash-attn's documented
-    semantics (paged k/v caches [blocks, block, heads, dim], a block table, lengths per sequence)."""
-    def gather(cache, table, n):
-        return cache[table.long()].flatten(0, 1)[:n]
-
-    def attend(q, k, v):  # q [Tq, H, D], k/v [Tk, Hkv, D], bottom-right causal
-        Tq, Tk = q.shape[0], k.shape[0]
-        mask = torch.ones(Tq, Tk, dtype=torch.bool).tril(Tk - Tq)
-        out = torch.nn.functional.scaled_dot_product_attention(
-            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, enable_gqa=True)
-        return out.transpose(0, 1)
-
-    def varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal, block_table):
-        assert causal and k.dim() == 4
-        return torch.cat([attend(q[cu_q[i]:cu_q[i + 1]], gather(k, block_table[i], cu_k[i + 1] - cu_k[i]),
-                                 gather(v, block_table[i], cu_k[i + 1] - cu_k[i])) for i in range(len(cu_q) - 1)])
-
-    def with_kvcache(q, k, v, cache_seqlens, block_table, causal):
-        assert causal and q.shape[1] == 1
-        return torch.stack([attend(q[i], gather(k, block_table[i], n), gather(v, block_table[i], n))
-                            for i, n in enumerate(cache_seqlens.tolist())])
-
+    semantics; decode steps run at the bucket's batch size (the next power of two), padded rows
+    writing the spare block: shared prefixes and preemption change no token."""
     model, _ = sharp
     prompts = ragged_prompts(model.config.vocab_size)
     prompts += [prompts[2]] * 2  # shared prefix blocks are read through the block table
     want = generate(model, prompts, 12)
-    monkeypatch.setattr(rollout, "flash_attn_varlen_func", varlen)
-    monkeypatch.setattr(rollout, "flash_attn_with_kvcache", with_kvcache)
-    monkeypatch.setattr(model, "attn_backend", "flash")
-    engine = Engine(model, block_size=8, num_blocks=20)
-    assert engine.use_flash
+    engine = flash_engine(model, monkeypatch, block_size=8, num_blocks=20)
     assert generate(model, prompts, 12, engine=engine) == want
     assert engine.stats["shared_tokens"] > 0 and engine.stats["preemptions"] > 0
+    sizes = ref_with_kvcache.batch_sizes
+    assert set(sizes) <= {1, 2, 4, 8} and len(set(sizes)) > 1 and engine.stats["decode_tokens"] < sum(sizes)
+    assert [rollout.bucket(n) for n in (1, 2, 3, 5, 8, 9, 33)] == [1, 2, 4, 8, 8, 16, 64]
+
+
+def test_cuda_graph_capture_once_per_bucket_then_replay(sharp, monkeypatch):
+    """The graph path's bookkeeping on CPU: a stand-in capture records the step once per bucket and
+    replays it by rerunning it on the same static buffers, as a CUDA graph would; every step after the
+    first of a bucket is a replay, and the tokens are those of the eager engine. Padded rows (5 prompts
+    run at bucket 8, then fewer as they finish) change nothing."""
+    model, _ = sharp
+    prompts = ragged_prompts(model.config.vocab_size)[:5]
+    budgets = [12, 3, 7, 12, 1]
+    want = generate(model, prompts, budgets)
+    captured, replays = [], []
+
+    def fake_cuda_graph(fn, pool):
+        fn()  # warm-up
+        out = fn()
+        captured.append(out.shape[0])
+
+        def replay():
+            replays.append(out.shape[0])
+            return out.copy_(fn())
+        return replay
+
+    monkeypatch.setattr(rollout, "cuda_graph", fake_cuda_graph)
+    engine = flash_engine(model, monkeypatch, block_size=8, max_seq_lens=[len(p) + b for p, b in zip(prompts, budgets)])
+    engine.use_graphs = True
+    assert generate(model, prompts, budgets, engine=engine) == want
+    assert sorted(captured) == sorted(set(replays)) and set(captured) <= {1, 2, 4, 8} and len(replays) > len(captured)
+    assert engine.cache.static[1].shape[1] == engine.max_blocks == -(-max(len(p) + b for p, b in zip(prompts, budgets)) // 8)
+
+
+def test_reused_engine_sees_changed_weights(sharp):
+    """On CPU the engine multiplies by transposed copies of the weights; a weight changed in place between
+    two generations (an optimizer step) is copied again, so a reused engine samples from the new weights."""
+    model, path = sharp
+    fresh = Transformer.from_pretrained(path)  # a copy to change
+    prompts = ragged_prompts(model.config.vocab_size)[:3]
+    engine = Engine(fresh, max_seq_lens=[len(p) + 10 for p in prompts])
+    assert generate(fresh, prompts, 10, engine=engine) == generate(model, prompts, 10)
+    with torch.no_grad():
+        fresh.model.layers[0].mlp.down_proj.weight.mul_(-1.0)
+    assert generate(fresh, prompts, 10, engine=engine) == generate(fresh, prompts, 10) != generate(model, prompts, 10)
 
 
 # -----------------------------------------------------------------------------
