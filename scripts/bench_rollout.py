@@ -1,9 +1,10 @@
 """Benchmark of rollout.py on a random Qwen3 (6.5M parameters):
-    python scripts/bench_rollout.py [--quick] [--threads=N] [--device=cuda] [--bench4b]
+    python scripts/bench_rollout.py [--quick] [--threads=N] [--device=cuda] [--bench4b] [--compile]
 1. tokens/s of rollout.generate against transformers.generate, batch 32, greedy, the tokens checked
    identical: equal prompts (128 and 512 new tokens), ragged prompts; 2. continuous against static
    batching on long-tailed lengths; 3. tool calls of 0.5 s overlapped with decoding against blocking;
-   --bench4b: decode tokens/s of a random Qwen3-4B-shaped model at batch 64 and 256 (meant for a GPU).
+   --bench4b: decode tokens/s of a random Qwen3-4B-shaped model at batch 64 and 256 (meant for a GPU);
+   --compile: section 1 through Engine(compile=True).
 Wall and process CPU time, best of 3 interleaved; on a shared machine prefer --threads=1."""
 import concurrent.futures
 import os
@@ -50,7 +51,7 @@ def timed(fn):
     return out, time.perf_counter() - t0, time.process_time() - c0
 
 
-def vs_transformers(model, hf, prompts, new_tokens, label, repeats=3):
+def vs_transformers(model, hf, prompts, new_tokens, label, repeats=3, compile=False):
     """Greedy, no stop tokens; transformers gets the prompts left-padded with an attention mask."""
     width = max(map(len, prompts))
     padded = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
@@ -62,11 +63,11 @@ def vs_transformers(model, hf, prompts, new_tokens, label, repeats=3):
             return hf.generate(padded, attention_mask=attn, max_new_tokens=new_tokens, do_sample=False,
                                temperature=None, top_p=None, top_k=None)[:, width:].tolist()
 
-    rollout.generate(model, prompts[:2], 4)  # warm-up both
+    rollout.generate(model, prompts[:2], 4, compile=compile)  # warm-up both (and compile)
     hf.generate(padded[:2, -8:], attention_mask=attn[:2, -8:], max_new_tokens=4, do_sample=False)
     best = {"ours": (1e9, 1e9), "hf": (1e9, 1e9)}
     for _ in range(repeats):  # interleaved, best of each: this machine's speed drifts between runs
-        ours, wall, cpu = timed(lambda: rollout.generate(model, prompts, new_tokens))
+        ours, wall, cpu = timed(lambda: rollout.generate(model, prompts, new_tokens, compile=compile))
         best["ours"] = min(best["ours"], (wall, cpu))
         theirs, wall, cpu = timed(run_hf)
         best["hf"] = min(best["hf"], (wall, cpu))
@@ -166,7 +167,8 @@ def qwen3_4b_decode(device, batches=(64, 256), new_tokens=64):
         engine = rollout.Engine(model, max_seq_lens=[128 + new_tokens] * batch)
         _, t, _ = timed(lambda: rollout.generate(model, prompts, new_tokens, engine=engine))
         print(f"  Qwen3-4B shape, {dtype}, batch {batch}: {batch * new_tokens / t:8.1f} tok/s end to end "
-              f"(prompt 128, {new_tokens} new; flash-attn {'on' if engine.use_flash else 'off'})")
+              f"(prompt 128, {new_tokens} new; flash-attn {'on' if engine.use_flash else 'off'}, "
+              f"CUDA graphs {'on' if engine.use_graphs else 'off'})")
 
 
 @dataclass
@@ -175,6 +177,7 @@ class BenchConfig:
     threads: int = 0       # torch intra-op threads (0: torch's default)
     device: str = "auto"
     bench4b: bool = False  # a Qwen3-4B-shaped decode run too
+    compile: bool = False  # section 1 with Engine(compile=True) (CPU; needs a C++ compiler, compiles for minutes)
 
 
 def main(argv):
@@ -196,10 +199,10 @@ def main(argv):
     print("1. generate vs transformers.generate")
     hf = AutoModelForCausalLM.from_pretrained(path).to(device).eval()
     new = 32 if args.quick else 128
-    vs_transformers(model, hf, random_prompts([64] * 32, vocab), new, "equal prompts")
-    vs_transformers(model, hf, random_prompts([64] * 32, vocab), 4 * new, "equal prompts, decode-heavy")
+    vs_transformers(model, hf, random_prompts([64] * 32, vocab), new, "equal prompts", compile=args.compile)
+    vs_transformers(model, hf, random_prompts([64] * 32, vocab), 4 * new, "equal prompts, decode-heavy", compile=args.compile)
     ragged = long_tail(32, 16, 512, 24, torch.Generator().manual_seed(3))
-    vs_transformers(model, hf, random_prompts(ragged, vocab), new, "ragged prompts")
+    vs_transformers(model, hf, random_prompts(ragged, vocab), new, "ragged prompts", compile=args.compile)
     del hf
     print("2. continuous batching on long-tailed lengths")
     continuous_batching(model, vocab, num_requests=32 if args.quick else 64, slots=8 if args.quick else 16,
