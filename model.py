@@ -335,9 +335,10 @@ class Transformer(nn.Module):
 
     def rope(self, positions, dtype):
         """rope_cos_sin(positions); on CPU read from a table of the first 2^k positions (remade when a position
-        passes its end), so a decode step indexes it instead of recomputing. On CUDA computed: no host read."""
+        passes its end), so a decode step indexes it instead of recomputing. On CUDA, and when compiled,
+        computed: no host read."""
         cfg = self.config
-        if positions.is_cuda:
+        if positions.is_cuda or torch.compiler.is_compiling():
             return rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, dtype)
         n = int(positions.max()) + 1
         table = self.__dict__.get("_rope_table")
