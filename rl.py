@@ -9,7 +9,7 @@ dual clip, token-mean over every response token of the mini-batch. One module sa
 trains, so no weights are ever synchronised. Metrics to out_dir/metrics.jsonl, checkpoints
 (Hugging Face dirs plus exact resume state) to out_dir/step_NNNNNN.
 
-    python rl.py                                     # the toy preset: the CPU demo, ~2.5 min
+    python rl.py                                     # the toy preset: the CPU demo, ~1.5 min
     python rl.py --model DIR --data problems.jsonl --steps 10
     torchrun --standalone --nproc_per_node 8 rl.py -- --model Gen-Verse/Qwen3-4B-RA-SFT \\
         --data data/rl.jsonl --eval_data data/eval/aime25.jsonl --out_dir runs/grpo_tcr
