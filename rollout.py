@@ -511,6 +511,9 @@ class Engine:
         if not batch:
             return []
         if decode and self.use_flash:  # shapes fixed per batch bucket: on CUDA one graph per bucket, replayed
+            width = max(len(s.block_table) for s in batch)
+            if width > self.max_blocks:  # a reused engine meets a longer sequence: wider tables, graphs anew
+                self.max_blocks, self.cache.static, self.graphs = min(self.num_blocks, 2 * width), None, {}
             b = self.cache.begin_bucketed(batch, self.max_num_seqs, self.max_blocks)
             if b not in self.graphs:
                 step = functools.partial(self._bucketed_decode, b)

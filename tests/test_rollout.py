@@ -303,6 +303,19 @@ def test_cuda_graph_capture_once_per_bucket_then_replay(sharp, monkeypatch):
     assert engine.cache.static[1].shape[1] == engine.max_blocks == -(-max(len(p) + b for p, b in zip(prompts, budgets)) // 8)
 
 
+def test_reused_flash_engine_takes_longer_sequences(sharp, monkeypatch):
+    """The bucketed step's block tables have a fixed width, set from the first workload; a reused engine
+    that meets a longer sequence (its pool has room for it) widens them and captures its graphs anew."""
+    model, _ = sharp
+    short, long = ragged_prompts(model.config.vocab_size, lengths=(5, 6, 7, 8)), ragged_prompts(model.config.vocab_size, lengths=(40,))
+    engine = flash_engine(model, monkeypatch, block_size=8, max_seq_lens=[len(p) + 4 for p in short])
+    width = engine.max_blocks
+    assert generate(model, short, 4, engine=engine) == generate(model, short, 4)
+    assert engine.num_blocks * 8 >= 40 + 8 > width * 8   # fits the pool, not the first tables
+    assert generate(model, long, 8, engine=engine) == generate(model, long, 8)
+    assert engine.max_blocks > width
+
+
 def test_reused_engine_sees_changed_weights(sharp):
     """On CPU the engine multiplies by transposed copies of the weights; a weight changed in place between
     two generations (an optimizer step) is copied again, so a reused engine samples from the new weights."""
