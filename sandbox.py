@@ -409,7 +409,7 @@ class Sandbox:
                  disk_mb: float = DEFAULT_DISK_MB, max_tasks: int = MAX_TASKS, grace: float = GRACE):
         if missing := missing_layer():
             raise RuntimeError(f"sandbox: refusing to start without {missing}")
-        self.num_workers = self.concurrency = max(1, int(workers or available_cores()))
+        self.num_workers = max(1, int(workers or available_cores()))
         self.preimport, self.output_limit, self.disk_mb = list(preimport), int(output_limit), disk_mb
         self.max_tasks, self.grace = int(max_tasks), grace
         self.root = tempfile.mkdtemp(prefix="sandbox-")
