@@ -318,7 +318,7 @@ class PagedKVCache:
 
     def _attend_decode(self, layer, q, kv):
         # one query per row, attended per group of similar lengths
-        (B, Hq, D), hkv = q.shape, kv.shape[2]
+        (_, Hq, D), hkv = q.shape, kv.shape[2]
         if self.use_rows:
             rows = self.row_kv[layer]
             rows.view(-1, D).index_copy_(0, self.row_index, kv.view(-1, D))

@@ -4,7 +4,6 @@ import itertools
 import json
 import math
 import os
-import random
 import subprocess
 import sys
 import time
@@ -272,7 +271,7 @@ def test_load_problems_limit_and_errors(tmp_path):
 
 def fake_rollout_module(calls):
     """Answers every math problem with \\boxed{42}, after one tool call."""
-    from dataclasses import dataclass, field, asdict
+    from dataclasses import dataclass, asdict
 
     @dataclass
     class RolloutConfig:

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 import rl
-from common import checkpoints
 from rl import Config, group_advantages, grpo_tcr_loss, overlong_penalty, shape_reward
 
 

@@ -12,7 +12,7 @@ import torch
 
 import sft
 from common import checkpoints
-from model import Transformer, cu_seqlens_from_lengths
+from model import Transformer
 from sandbox import TOOL_SCHEMA
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
