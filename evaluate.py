@@ -685,6 +685,7 @@ def main(argv=None):
                 json.dump(summary, f, indent=2)
             print(markdown_table(summary, os.path.basename(os.path.normpath(cfg.model))))
             print(f"\nwrote {out_dir}/summary.json and the trajectories beside it")
+        torch.distributed.barrier()  # leave together: gloo aborts a rank whose peer tears down first
     finally:
         if created:
             torch.distributed.destroy_process_group()

@@ -556,7 +556,9 @@ def train(cfg):
                 toy.ensure()
             dist.barrier()
             cfg.model = toy.sft_start()
-        return _train(cfg, rank, world, device, sharded, sandbox, AutoTokenizer)
+        final = _train(cfg, rank, world, device, sharded, sandbox, AutoTokenizer)
+        dist.barrier()  # leave together: gloo aborts a rank whose peer tears down first
+        return final
     finally:
         if created:
             dist.destroy_process_group()

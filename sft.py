@@ -291,7 +291,9 @@ def train(cfg):
     created = not dist.is_initialized()
     rank, world, device, sharded = setup_distributed(cfg.device)
     try:
-        return _train(cfg, rank, world, device, sharded)
+        final = _train(cfg, rank, world, device, sharded)
+        dist.barrier()  # leave together: gloo aborts a rank whose peer tears down first
+        return final
     finally:
         if created:
             dist.destroy_process_group()

@@ -446,7 +446,8 @@ def test_end_to_end_under_torchrun(tiny_ckpt, tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            os.path.join(ROOT, "evaluate.py"), "--", f"--model={tiny_ckpt}", f"--data={BENCH4}", "--n=1",
            "--max_response_tokens=16", "--max_turns=1", f"--out={out}"]
-    subprocess.run(cmd, cwd=ROOT, env=env, check=True, timeout=240, capture_output=True)
+    done = subprocess.run(cmd, cwd=ROOT, env=env, timeout=240, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-4000:]
     summary = json.load(open(os.path.join(out, "summary.json")))
     assert summary["overall"]["problems"] == 4
     counts = [len(open(os.path.join(out, f"trajectories.rank{r}.jsonl")).readlines()) for r in (0, 1)]
