@@ -204,7 +204,7 @@ class PagedKVCache:
         self.v_offset, self.spare_slot = (num_blocks + 1) * block_size, num_blocks * block_size  # in a flat view
         self.block_size, self.device, self.use_flash, self.scratch, self.static = block_size, device, use_flash, None, None
         self.row_budget, self.rows, self.row_cached = row_budget, None, {}   # rows x capacity <= row_budget
-        self.row_kv, self.zero = [torch.zeros(2, 0, 0, 0, 0)], torch.zeros((), device=device, dtype=dtype)
+        self.row_kv = [torch.zeros(2, 0, 0, 0, 0)]
 
     def decode_order(self, batch):
         """The decode batch, longest first. While the same sequences keep decoding, each step writes one
@@ -289,11 +289,10 @@ class PagedKVCache:
         lens, groups, start = self.k_lens, [], 0
         for i in range(1, len(lens) + 1):
             if i == len(lens) or 2 * lens[i] <= lens[start]:
-                bias = None
-                if lens[i - 1] < lens[start]:  # -inf on each row's key slots past its length
-                    pad = torch.arange(lens[start], device=self.device) >= self.context_lens[start:i, None]
-                    bias = torch.zeros(pad.shape, device=self.device).masked_fill_(pad, float("-inf"))[:, None, None]
-                groups.append((start, i, lens[start], bias))
+                mask = None
+                if lens[i - 1] < lens[start]:  # each row sees only its own key slots
+                    mask = (torch.arange(lens[start], device=self.device) < self.context_lens[start:i, None])[:, None, None]
+                groups.append((start, i, lens[start], mask))
                 start = i
         return groups
 
@@ -323,17 +322,15 @@ class PagedKVCache:
             rows = self.row_kv[layer]
             rows.view(-1, D).index_copy_(0, self.row_index, kv.view(-1, D))
         outs = []
-        for start, end, width, bias in self.groups:
+        for start, end, width, mask in self.groups:
             if self.use_rows:
                 keys, values = rows[:, start:end, :, :width]
             else:  # gather the group's blocks (this step's k/v are already in the pool)
                 blocks = self.block_tables[start:end, :-(-width // self.block_size)].flatten().long()
-                keys, values = self._gather(layer, blocks).view(2, end - start, -1, hkv, D)[:, :, :width].transpose(2, 3).contiguous()
-            n = end - start  # query head h reads kv head h // G; scores [n * Hkv, G, width]
-            scores = torch.baddbmm(self.zero, q[start:end].reshape(n * hkv, Hq // hkv, D),
-                                   keys.flatten(0, 1).transpose(1, 2), beta=0, alpha=D ** -0.5)
-            probs = (scores if bias is None else scores.view(n, hkv, -1, width) + bias).softmax(-1, dtype=torch.float32)
-            outs.append(torch.matmul(probs.to(q.dtype).view(n, hkv, -1, width), values).view(n, Hq, D))
+                keys, values = self._gather(layer, blocks).view(2, end - start, -1, hkv, D)[:, :, :width].transpose(2, 3)
+            n = end - start  # kv head h answers query heads hG..hG+G-1: queries [n, Hkv, G, D], keys [n, Hkv, width, D]
+            out = F.scaled_dot_product_attention(q[start:end].view(n, hkv, Hq // hkv, D), keys, values, attn_mask=mask)
+            outs.append(out.reshape(n, Hq, D))
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
     def _attend_prefill(self, layer, q, kv):
