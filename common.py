@@ -2,6 +2,7 @@
 metrics files that survive a resume, one checkpoint writer and reader, hub-id resolution."""
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -67,6 +68,21 @@ def setup_distributed(device="auto"):
     if cuda:
         torch.cuda.set_device(dev)
     return dist.get_rank(), dist.get_world_size(), dev, "RANK" in os.environ
+
+
+@contextlib.contextmanager
+def distributed(device="auto"):
+    """setup_distributed() for a with block. Leaving it normally, every rank waits for the others
+    first (gloo aborts a rank whose peer tears the group down before it); a group made here is then
+    destroyed. An exception skips the wait: a failing rank must not hang on its peers."""
+    created = not dist.is_initialized()
+    info = setup_distributed(device)
+    try:
+        yield info
+        dist.barrier()
+    finally:
+        if created:
+            dist.destroy_process_group()
 
 
 def print0(*args):

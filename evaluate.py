@@ -658,16 +658,14 @@ def toy_arguments():
 
 def main(argv=None):
     import torch
-    from common import setup_distributed
+    from common import distributed
     from model import Transformer
     from transformers import AutoTokenizer
     argv = sys.argv[1:] if argv is None else argv
     cfg = parse_config(argv or toy_arguments())
     if not cfg.model:
         raise SystemExit("--model DIR is required (a Hugging Face checkpoint directory)")
-    created = not torch.distributed.is_initialized()
-    rank, world, device, _ = setup_distributed()
-    try:
+    with distributed() as (rank, world, device, _):
         problems = load_problems(cfg)
         out_dir = cfg.out or os.path.join("runs", "eval", os.path.basename(os.path.normpath(cfg.model)))
         dtype = getattr(torch, cfg.dtype) if cfg.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
@@ -685,10 +683,6 @@ def main(argv=None):
                 json.dump(summary, f, indent=2)
             print(markdown_table(summary, os.path.basename(os.path.normpath(cfg.model))))
             print(f"\nwrote {out_dir}/summary.json and the trajectories beside it")
-        torch.distributed.barrier()  # leave together: gloo aborts a rank whose peer tears down first
-    finally:
-        if created:
-            torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

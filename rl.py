@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from data import toy
 from common import Metrics, build_model, check_resume, latest_resumable, load_checkpoint, parse_config, print0, \
-    resolve_model, save_checkpoint, setup_distributed
+    resolve_model, save_checkpoint, distributed
 
 
 @dataclass
@@ -545,9 +545,7 @@ def train(cfg):
         raise SystemExit("prompts_per_step must be a multiple of mini_batch_prompts")
     if cfg.loss_agg not in ("token-mean", "seq-mean-token-mean"):
         raise SystemExit(f"--loss_agg {cfg.loss_agg!r}: expected token-mean or seq-mean-token-mean")
-    created = not dist.is_initialized()
-    rank, world, device, sharded = setup_distributed()
-    try:
+    with distributed() as (rank, world, device, sharded):
         if cfg.mini_batch_prompts % world:
             raise SystemExit(f"mini_batch_prompts ({cfg.mini_batch_prompts}) must be a multiple of the number of "
                              f"processes ({world}), so every rank holds part of every mini-batch")
@@ -556,12 +554,7 @@ def train(cfg):
                 toy.ensure()
             dist.barrier()
             cfg.model = toy.sft_start()
-        final = _train(cfg, rank, world, device, sharded, sandbox, AutoTokenizer)
-        dist.barrier()  # leave together: gloo aborts a rank whose peer tears down first
-        return final
-    finally:
-        if created:
-            dist.destroy_process_group()
+        return _train(cfg, rank, world, device, sharded, sandbox, AutoTokenizer)
 
 
 def _train(cfg, rank, world, device, sharded, sandbox, AutoTokenizer):

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from common import Metrics, build_model, check_resume, checkpoints, latest_resumable, load_checkpoint, \
-    parse_config, print0, resolve_model, save_checkpoint, setup_distributed
+    parse_config, print0, resolve_model, save_checkpoint, distributed
 from model import DTYPES, cu_seqlens_from_lengths
 
 
@@ -288,15 +288,8 @@ def train(cfg):
         raise ValueError(f"too_long must be 'truncate' or 'drop', got {cfg.too_long!r}")
     if cfg.micro_batch_tokens < cfg.max_len:
         raise ValueError(f"micro_batch_tokens ({cfg.micro_batch_tokens}) must be >= max_len ({cfg.max_len})")
-    created = not dist.is_initialized()
-    rank, world, device, sharded = setup_distributed(cfg.device)
-    try:
-        final = _train(cfg, rank, world, device, sharded)
-        dist.barrier()  # leave together: gloo aborts a rank whose peer tears down first
-        return final
-    finally:
-        if created:
-            dist.destroy_process_group()
+    with distributed(cfg.device) as (rank, world, device, sharded):
+        return _train(cfg, rank, world, device, sharded)
 
 
 def _train(cfg, rank, world, device, sharded):

@@ -493,6 +493,26 @@ def test_tool_bonus_counts_tool_turns_and_code_is_graded():
     assert [s["score"] for s in samples] == pytest.approx([0, 0, 0, 1, 0.5, 0])
 
 
+def test_distributed_waits_for_every_rank_before_tearing_down(monkeypatch):
+    """A rank that destroys its gloo group while a peer still uses it gets the peer aborted
+    (SIGABRT in a 2-rank torchrun eval): leaving normally, the group is destroyed only after a
+    barrier; leaving by an exception, it is destroyed without waiting on ranks that may never come."""
+    import common
+    calls = []
+    monkeypatch.setattr(common.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(common, "setup_distributed", lambda device: (0, 2, torch.device("cpu"), True))
+    monkeypatch.setattr(common.dist, "barrier", lambda: calls.append("barrier"))
+    monkeypatch.setattr(common.dist, "destroy_process_group", lambda: calls.append("destroy"))
+    with common.distributed() as (rank, world, _, _):
+        assert (rank, world) == (0, 2) and calls == []
+    assert calls == ["barrier", "destroy"]
+    calls.clear()
+    with pytest.raises(SystemExit):
+        with common.distributed():
+            raise SystemExit("bad flag")
+    assert calls == ["destroy"]
+
+
 def test_setup_distributed_sets_a_long_timeout(monkeypatch):
     """Rollouts of 20k-token trajectories and rank 0's checkpoint writes keep the others waiting in
     a collective far longer than a default timeout: the process group gets an explicit one."""
