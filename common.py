@@ -5,6 +5,7 @@ import argparse
 import contextlib
 import json
 import os
+import random
 import shutil
 import warnings
 from dataclasses import asdict, fields
@@ -30,11 +31,10 @@ def parse_config(cls, argv, doc="", presets=None):
     the explicit flags. `--` (torchrun's separator) is skipped; --help lists every default."""
     argv = [a for a in argv if a != "--"]
     values = {}
-    if presets:
+    if presets:  # a first pass reads --preset alone, so its values become the defaults --help shows
         pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
         pre.add_argument("--preset", choices=sorted(presets))
-        known, _ = pre.parse_known_args(argv)
-        values = dict(presets.get(known.preset) or {})
+        values = presets.get(pre.parse_known_args(argv)[0].preset) or {}
     p = argparse.ArgumentParser(description=doc, allow_abbrev=False,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     if presets:
@@ -42,12 +42,8 @@ def parse_config(cls, argv, doc="", presets=None):
     for f in fields(cls):
         default = values.get(f.name, f.default)
         names = sorted({f"--{f.name}", f"--{f.name.replace('_', '-')}"})
-        kind = type(f.default)
-        if kind is bool:
-            p.add_argument(*names, dest=f.name, type=_bool, nargs="?", const=True, default=default,
-                           help=f"(default: {default})")
-        else:
-            p.add_argument(*names, dest=f.name, type=kind, default=default, help=f"(default: {default!r})")
+        kind = dict(type=_bool, nargs="?", const=True) if type(f.default) is bool else dict(type=type(f.default))
+        p.add_argument(*names, dest=f.name, default=default, help=f"(default: {default!r})", **kind)
     args = vars(p.parse_args(argv))
     args.pop("preset", None)
     return cls(**args)
@@ -60,10 +56,8 @@ def setup_distributed(device="auto"):
         cuda = dist.get_backend() == "nccl"
     else:
         cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
-        if "RANK" in os.environ:
-            dist.init_process_group("nccl" if cuda else "gloo", timeout=DIST_TIMEOUT)
-        else:
-            dist.init_process_group("nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1)
+        alone = {} if "RANK" in os.environ else dict(store=dist.HashStore(), rank=0, world_size=1)
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=DIST_TIMEOUT, **alone)
     dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(dev)
@@ -140,13 +134,9 @@ class Metrics:
 
 def checkpoints(out_dir, resumable=False):
     """[(step, path)] of the complete checkpoints in out_dir, oldest first."""
-    found = []
-    for name in os.listdir(out_dir) if os.path.isdir(out_dir) else []:
-        path = os.path.join(out_dir, name)
-        if name.startswith("step_") and name[5:].isdigit() and \
-                (not resumable or os.path.exists(os.path.join(path, "train_state", "trainer.pt"))):
-            found.append((int(name[5:]), path))
-    return sorted(found)
+    names = os.listdir(out_dir) if os.path.isdir(out_dir) else []
+    return sorted((int(n[5:]), os.path.join(out_dir, n)) for n in names if n.startswith("step_") and n[5:].isdigit()
+                  and (not resumable or os.path.exists(os.path.join(out_dir, n, "train_state", "trainer.pt"))))
 
 
 def latest_resumable(out_dir):
@@ -199,6 +189,7 @@ def save_checkpoint(out_dir, step, model, optimizer, tokenizer, trainer, base_pa
     checkpoints keep their train_state. A collective: every rank calls it."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
+    from model import Transformer
     rank = dist.get_rank()
     name = f"step_{step:06d}"
     final, tmp = os.path.join(out_dir, name), os.path.join(out_dir, ".tmp_" + name)
@@ -207,12 +198,21 @@ def save_checkpoint(out_dir, step, model, optimizer, tokenizer, trainer, base_pa
         os.makedirs(os.path.join(tmp, "train_state"))
     dist.barrier()
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if rank == 0:
-        save_hf(full, model.config, tokenizer, tmp, dtype, base_path)
+    if rank == 0:  # the Hugging Face directory: the gathered weights assigned into a model built on meta
+        with torch.device("meta"):
+            hf = Transformer(model.config)
+        hf.load_state_dict(full, assign=True, strict=False)
+        hf.tie_weights()
+        (hf.to(dtype) if dtype else hf).save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        if base_path and os.path.exists(os.path.join(base_path, "generation_config.json")):
+            shutil.copy(os.path.join(base_path, "generation_config.json"), tmp)
     del full
     weights, optim = get_state_dict(model, optimizer)
     dcp.save({"model": weights, "optim": optim}, checkpoint_id=os.path.join(tmp, "train_state", "dcp"))
-    torch.save(rng_state(), os.path.join(tmp, "train_state", f"rng_rank{rank}.pt"))
+    torch.save(dict(python=random.getstate(), torch=torch.get_rng_state(),
+                    cuda=torch.cuda.get_rng_state() if torch.cuda.is_available() else None),
+               os.path.join(tmp, "train_state", f"rng_rank{rank}.pt"))
     dist.barrier()
     if rank == 0:
         torch.save(dict(trainer, step=step), os.path.join(tmp, "train_state", "trainer.pt"))  # last: marks it complete
@@ -242,32 +242,10 @@ def load_checkpoint(path, model, optimizer):
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     rng = os.path.join(path, "train_state", f"rng_rank{dist.get_rank()}.pt")
     if os.path.exists(rng):  # absent when resuming on more ranks than were saved
-        set_rng_state(torch.load(rng, weights_only=False))
+        rng = torch.load(rng, weights_only=False)
+        random.setstate(rng["python"])
+        torch.set_rng_state(rng["torch"])
+        if rng.get("cuda") is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])
     return torch.load(os.path.join(path, "train_state", "trainer.pt"), weights_only=False)
 
-
-def rng_state():
-    import random
-    return dict(python=random.getstate(), torch=torch.get_rng_state(),
-                cuda=torch.cuda.get_rng_state() if torch.cuda.is_available() else None)
-
-
-def set_rng_state(s):
-    import random
-    random.setstate(s["python"])
-    torch.set_rng_state(s["torch"])
-    if s.get("cuda") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(s["cuda"])
-
-
-def save_hf(state, config, tokenizer, path, dtype=None, base_path=None):
-    """A gathered full state dict -> a Hugging Face checkpoint directory (rank 0 only)."""
-    from model import Transformer
-    with torch.device("meta"):
-        model = Transformer(config)
-    model.load_state_dict(state, assign=True, strict=False)
-    model.tie_weights()
-    (model.to(dtype) if dtype else model).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    if base_path and os.path.exists(os.path.join(base_path, "generation_config.json")):
-        shutil.copy(os.path.join(base_path, "generation_config.json"), path)

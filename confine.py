@@ -1,10 +1,7 @@
-"""confine.py: the Linux calls a sandbox run locks itself down with, through ctypes (stdlib only).
-
-seccomp: a BPF program assembled here (x86_64 and aarch64 numbers from the kernel's unistd
-headers); Landlock: a ruleset prepared once per worker over O_PATH descriptors; a private mount
-namespace with the host read-only and a tmpfs quota; every capability dropped; where a pids
-cgroup can be made; what this machine lacks of all that. sandbox.py decides the order (its
-docstring) and fails closed when missing_layer() names something.
+"""confine.py: the Linux calls a sandbox run locks itself down with, through ctypes (stdlib only):
+a seccomp BPF program assembled here, a Landlock ruleset, a private mount namespace (host read-only,
+a tmpfs quota), every capability dropped, a pids cgroup. sandbox.py decides the order (its
+docstring) and fails closed when missing_layer() names what this machine lacks.
 """
 import contextlib
 import ctypes
@@ -116,15 +113,13 @@ def install_seccomp(program: list, pid: int) -> None:
 
 def landlock_abi() -> int:
     """The kernel's Landlock ABI version, 0 when Landlock is missing or disabled."""
-    try:
+    with contextlib.suppress(OSError):
         return max(0, _syscall(_NR_LANDLOCK_CREATE, 0, 0, 1))
-    except OSError:
-        return 0
+    return 0
 
 
 class Landlock:
-    """The ruleset of every run of a worker, prepared once over O_PATH descriptors the
-    worker keeps open; a child adds its working directory and restricts itself."""
+    """A worker's ruleset, over O_PATH descriptors it keeps open; each child adds its cwd and restricts itself."""
 
     def __init__(self, abi: int, read_paths: list):
         self.handled = (1 << 13) - 1 | _LL_REFER * (abi >= 2) | _LL_TRUNCATE * (abi >= 3) | _LL_IOCTL_DEV * (abi >= 5)

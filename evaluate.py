@@ -1,28 +1,23 @@
 """evaluate.py: measure a checkpoint the way the paper does; graders shared with rl.py.
 
-Runs the agentic rollout n times per problem (AIME24/25, GPQA-Diamond, LiveCodeBench v6 as
-written by data/prepare.py, or any project-format jsonl), grades every response and reports per
-benchmark: avg@n (the paper's headline; LiveCodeBench's pass@1 is the same with "all tests
-pass"), pass@k (the unbiased estimator of Chen et al., k samples drawn without replacement),
-maj@k (the majority answer among the first k samples; samples without an answer do not vote),
-with --verl_metrics also verl's maj@k/mean and best@k/mean (1,000 bootstrap draws of k samples
-with replacement, seed 42, an empty answer a vote of its own), and the tool-use statistics behind
-the paper's analysis. Trajectories go to <out>/trajectories.jsonl (one file per rank), the summary
-to <out>/summary.json, and a table laid out like the paper's Table 2 is printed; a rerun with the
-same --out skips the problems already complete. --filter_out FILE is the paper's model-aware data
-filtering: keep the problems solved sometimes but not always in n samples, tagged easy / medium /
-hard, with a histogram in FILE.hist.json.
+Runs the agentic rollout n times per problem (AIME24/25, GPQA-Diamond, LiveCodeBench v6 from
+data/prepare.py, or any project-format jsonl) and reports per benchmark avg@n (the headline;
+LiveCodeBench's pass@1), unbiased pass@k, maj@k (samples without an answer do not vote), with
+--verl_metrics verl's bootstrap maj@k/mean and best@k/mean, and tool-use statistics. Trajectories
+go to <out>/trajectories.jsonl (one file per rank), the summary to <out>/summary.json, a table in
+the layout of the paper's Table 2 to stdout; a rerun with the same --out skips finished problems.
+--filter_out FILE is the paper's model-aware filtering: keep the problems solved sometimes but not
+always, tagged easy / medium / hard, with a histogram in FILE.hist.json.
 
     python evaluate.py --model DIR --benchmarks aime24,aime25,gpqa,lcb --n 32 --temperature 1.0 --top_p 0.6
     python evaluate.py --model DIR --data data/rl.jsonl --n 8 --top_p 1.0 --filter_out data/rl_filtered.jsonl
     torchrun --nproc_per_node 8 evaluate.py -- --model DIR --n 32      # problems split across ranks
     python evaluate.py                           # the toy task's held-out set, newest toy policy
 
-Departures from the paper: the math grader normalises both sides (\\dfrac, \\text{} units,
-"x = 5", thousands separators, zero padding) before its exact match, slightly more lenient than
-the strict boxed match; LiveCodeBench runs in this project's sandbox with the official harness's
-comparison rules (run_tests below), not in lcb_runner itself; "overall" is the unweighted mean
-over benchmarks.
+Departures from the paper: the math grader normalises both sides (\\dfrac, \\text{} units, "x = 5",
+thousands separators, zero padding) before its exact match; LiveCodeBench runs in this project's
+sandbox with lcb_runner's comparison rules (run_tests), not in lcb_runner; "overall" is the
+unweighted mean over benchmarks.
 """
 
 import ast
@@ -35,7 +30,8 @@ import sys
 import time
 import zlib
 from collections import Counter, defaultdict
-from dataclasses import asdict, dataclass
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, fields
 from decimal import Decimal, InvalidOperation
 
 
@@ -70,9 +66,6 @@ class EvalConfig:
 BENCHMARK_TITLES = {"aime24": ("MATH", "AIME2024"), "aime25": ("MATH", "AIME2025"),
                     "gpqa": ("Science", "GPQA-Diamond"), "lcb": ("Code", "LiveCodeBench-v6")}  # Table 2
 
-# -----------------------------------------------------------------------------
-# answer extraction and normalisation
-
 BOX_WINDOW = 100  # the paper's strict grader looks only at the last 100 characters
 
 
@@ -86,9 +79,10 @@ def final_answer_text(response):
     return text
 
 
-def last_boxed(text):
-    """The content of the last \\boxed{...} / \\fbox{...}, braces balanced; None when there is
-    none or the last one never closes (no fallback to an earlier box)."""
+def boxed_answer(response):
+    """The content of the last \\boxed{...} / \\fbox{...} in the final answer's last BOX_WINDOW
+    characters, braces balanced; None when there is none or it never closes."""
+    text = final_answer_text(response)[-BOX_WINDOW:]
     start = max(text.rfind("\\boxed{"), text.rfind("\\fbox{"))
     if start < 0:
         return None
@@ -98,11 +92,6 @@ def last_boxed(text):
         if depth == 0:
             return text[i + 1:j]
     return None
-
-
-def boxed_answer(response, window=BOX_WINDOW):
-    text = final_answer_text(response)
-    return last_boxed(text[-window:] if window else text)
 
 
 UNIT_WORDS = set(("degrees degree cm centimeters centimetres mm meters metres meter metre km kilometers inches "
@@ -144,23 +133,20 @@ def normalize_choice(answer):
     return re.sub(r"[\s$]", "", _TEXT_CMD.sub(lambda m: m.group(1), str(answer)[:200])).strip("()[]{}.:*")
 
 
-# -----------------------------------------------------------------------------
 # graders: never raise, linear in the response length
-
-
-def score_math(response, answer, window=BOX_WINDOW):
+def score_math(response, answer):
     """The last box of the final answer equals the ground truth after normalisation."""
     try:
-        boxed = boxed_answer(response, window)
+        boxed = boxed_answer(response)
         return boxed is not None and normalize_math(boxed) != "" and normalize_math(boxed) == normalize_math(answer)
     except Exception:
         return False
 
 
-def score_choice(response, letter, window=BOX_WINDOW):
+def score_choice(response, letter):
     """The boxed option letter ((B), \\text{B} allowed) is the right one; uppercase, as the prompt asks."""
     try:
-        boxed = boxed_answer(response, window)
+        boxed = boxed_answer(response)
         return boxed is not None and normalize_choice(boxed) == str(letter).strip().strip("()").upper()
     except Exception:
         return False
@@ -170,8 +156,8 @@ _FENCE_OPEN = re.compile(r"```[ \t]*(?:python3?|py)[ \t]*\n", re.IGNORECASE)
 
 
 def extract_program(response):
-    """The last complete ```python block of the final answer, or None. Only the last two opening
-    fences can matter (an unclosed last block falls back to the one before, closed by it)."""
+    """The last complete ```python block of the final answer, or None (an unclosed last block
+    falls back to the one before it, which its opening fence closes)."""
     text = final_answer_text(response)
     for start in reversed([m.end() for m in _FENCE_OPEN.finditer(text)][-2:]):
         end = text.find("```", start)
@@ -182,19 +168,14 @@ def extract_program(response):
 
 def score_code(response, tests, timeout=6.0):
     """The fraction of tests the final answer's program passes (1.0 = solved), in the sandbox."""
-    try:
-        program = extract_program(response)
-        if not program or not program.strip():
-            return 0.0
-        results = run_tests(program, tests, timeout=timeout)
+    try:  # no program: run_tests fails every test unrun
+        results = run_tests(extract_program(response), tests, timeout=timeout)
         return sum(results) / len(results) if results else 0.0
     except Exception:
         return 0.0
 
 
-# -----------------------------------------------------------------------------
 # running code problems' tests in the sandbox, by LiveCodeBench's and upstream's rules
-
 GRADING_OUTPUT_LIMIT = 8 << 20     # stdout and stderr kept per test run: one fixed cap, never derived from a test
 # lcb_runner/evaluation/testing_util.py's import_string, before stdin and functional programs.
 _LCB_MODULES = ("string re datetime collections heapq bisect copy math random statistics itertools "
@@ -226,18 +207,15 @@ sys.stdout.write("\\n" + {marker!r} + text + "\\n")
 """
 
 
-def _same_line(x, y):
-    """Equal as text, or as lists of Decimal numbers (3 == 3.0), as LiveCodeBench compares."""
+def _same_output(got, expected):
+    """LiveCodeBench: strip the whole, split lines, strip each, same count, each line equal as text
+    or as lists of Decimal numbers (3 == 3.0)."""
+    a, b = ([line.strip() for line in text.strip().split("\n")] for text in (got, expected))
     try:
-        return x == y or [Decimal(t) for t in x.split()] == [Decimal(t) for t in y.split()]
+        return len(a) == len(b) and all(x == y or [Decimal(t) for t in x.split()] == [Decimal(t) for t in y.split()]
+                                        for x, y in zip(a, b))
     except InvalidOperation:
         return False
-
-
-def _same_output(got, expected):
-    """LiveCodeBench: strip the whole, split lines, strip each, same count, each line the same."""
-    a, b = ([line.strip() for line in text.strip().split("\n")] for text in (got, expected))
-    return len(a) == len(b) and all(map(_same_line, a, b))
 
 
 def _call_passed(result, marker, expected, wrapped):
@@ -254,11 +232,10 @@ def _call_passed(result, marker, expected, wrapped):
 
 
 def run_tests(program, tests, timeout=6.0, stop_on_failure=False, memory_mb=1024, sandbox=None):
-    """Per-test pass/fail of `program` on `tests` (the three shapes of docs/CONTRACTS.md),
-    each test its own sandboxed run with `timeout`. Stdin and functional outputs are compared
-    here, never inside the sandbox; an assert-style test passes when its run exits 0. With
-    `stop_on_failure` tests run one after another and the first failure fails the rest
-    unrun; otherwise they run concurrently."""
+    """Per-test pass/fail of `program` on `tests` (the three shapes of docs/CONTRACTS.md), one
+    sandboxed run per test, concurrent unless `stop_on_failure` (one by one, the first failure
+    fails the rest unrun). Outputs are compared here, not in the sandbox; an assert-style test
+    passes when its run exits 0."""
     source, cases, jobs = program if isinstance(program, str) else "", tests.get("cases") or [], []
     if tests.get("test_code") is not None:     # assert-style, as upstream's code_math grades
         lines = [line for line in tests["test_code"].split("\n") if line != ""]
@@ -279,48 +256,38 @@ def run_tests(program, tests, timeout=6.0, stop_on_failure=False, memory_mb=1024
     import sandbox as sandbox_module
     box = sandbox or sandbox_module.default_sandbox()
 
-    def launch(job):
-        return box.submit(job[0], timeout, memory_mb, job[1], output_limit=GRADING_OUTPUT_LIMIT)
+    def launch(code, stdin):
+        return box.submit(code, timeout, memory_mb, stdin, output_limit=GRADING_OUTPUT_LIMIT)
 
-    if stop_on_failure:
-        passed = []
-        for job in jobs:
-            passed.append(bool(job[2](launch(job).result())))
-            if not passed[-1]:
-                return passed + [False] * (len(jobs) - len(passed))
-        return passed
-    futures = [launch(job) for job in jobs]
-    return [bool(job[2](future.result())) for job, future in zip(jobs, futures)]
+    if not stop_on_failure:
+        futures = [launch(code, stdin) for code, stdin, _ in jobs]
+        return [bool(check(future.result())) for (_, _, check), future in zip(jobs, futures)]
+    passed, ok = [], True
+    for code, stdin, check in jobs:  # one after another; after the first failure nothing runs
+        ok = ok and bool(check(launch(code, stdin).result()))
+        passed.append(ok)
+    return passed
 
 
 def score(problem, response, code_timeout=6.0):
     """1.0 / 0.0 for math and choice, the fraction of tests passed for code."""
     try:
-        kind = problem.get("kind")
-        if kind == "math":
-            return float(score_math(response, problem["answer"]))
-        if kind == "choice":
-            return float(score_choice(response, problem["answer"]))
-        if kind == "code":
+        if problem["kind"] == "code":
             return score_code(response, problem["tests"], timeout=code_timeout)
-    except Exception:
-        pass
-    return 0.0
+        return float({"math": score_math, "choice": score_choice}[problem["kind"]](response, problem["answer"]))
+    except Exception:  # an unknown kind or a missing field scores 0
+        return 0.0
 
 
 def extract_pred(problem, response):
     """The normalised answer a response gives (what maj@k votes on); None for code or no box."""
     try:
-        boxed = None if problem.get("kind") == "code" else boxed_answer(response)
-        if boxed is None:
-            return None
-        return normalize_choice(boxed) if problem.get("kind") == "choice" else normalize_math(boxed)
+        kind = problem.get("kind")
+        boxed = None if kind == "code" else boxed_answer(response)
+        return None if boxed is None else normalize_choice(boxed) if kind == "choice" else normalize_math(boxed)
     except Exception:
         return None
 
-
-# -----------------------------------------------------------------------------
-# metrics
 
 
 def pass_at_k(n, c, k):
@@ -338,15 +305,9 @@ def pass_at_k(n, c, k):
 
 def maj_at_k(preds, corrects, k):
     """1.0 when the most frequent answer among the first k samples is right. Samples without an
-    answer do not vote; a tie goes to the answer seen first."""
-    votes, first = Counter(), {}
-    for i, p in enumerate(preds[:k]):
-        if p is not None:
-            votes[p] += 1
-            first.setdefault(p, i)
-    if not votes:
-        return 0.0
-    return float(corrects[first[max(votes, key=lambda p: (votes[p], -first[p]))]])
+    answer do not vote; a tie goes to the answer seen first (most_common keeps insertion order)."""
+    votes = Counter(p for p in preds[:k] if p is not None)
+    return float(corrects[preds.index(votes.most_common(1)[0][0])]) if votes else 0.0
 
 
 def verl_bootstrap(preds, corrects, k, draws=1000, seed=42):
@@ -398,13 +359,13 @@ def summarize(records, pass_k=None, verl=False):
         n, kind, flat = min(map(len, groups)), groups[0][0]["kind"], [r for g in groups for r in g]
         res = {"kind": kind, "problems": len(groups), "samples": len(flat), "n": n,
                f"avg@{n}": sum(r["correct"] for r in flat) / len(flat), "mean_score": sum(r["score"] for r in flat) / len(flat)}
+        answers = [([r["pred"] for r in g], [r["correct"] for r in g]) for g in groups]
         for k in sorted({k for k in (pass_k or [1, n]) if 0 < k <= n}):
-            res[f"pass@{k}"] = sum(pass_at_k(len(g), sum(r["correct"] for r in g), k) for g in groups) / len(groups)
+            res[f"pass@{k}"] = sum(pass_at_k(len(c), sum(c), k) for _, c in answers) / len(groups)
             if kind != "code":
-                res[f"maj@{k}"] = sum(maj_at_k([r["pred"] for r in g], [r["correct"] for r in g], k)
-                                      for g in groups) / len(groups)
+                res[f"maj@{k}"] = sum(maj_at_k(p, c, k) for p, c in answers) / len(groups)
             if verl:
-                both = [verl_bootstrap([r["pred"] for r in g], [r["correct"] for r in g], k) for g in groups]
+                both = [verl_bootstrap(p, c, k) for p, c in answers]
                 if kind != "code":
                     res[f"verl_maj@{k}/mean"] = sum(b[0] for b in both) / len(groups)
                 res[f"verl_best@{k}/mean"] = sum(b[1] for b in both) / len(groups)
@@ -433,13 +394,10 @@ def markdown_table(summary, name="model"):
     order = [b for b in BENCHMARK_TITLES if b in benches] + [b for b in benches if b not in BENCHMARK_TITLES]
     pct = lambda x: "-" if x is None else f"{100 * x:.1f}"
     num = lambda x: "-" if x is None else f"{x:.2f}" if isinstance(x, float) else str(x)
-    groups, last = [], None
-    for b in order:
-        group = BENCHMARK_TITLES.get(b, ("Other", b))[0]
-        groups.append(f"**{group}**" if group != last else "")
-        last = group
+    titles = [BENCHMARK_TITLES.get(b, ("Other", b)) for b in order]  # (group, name); a group named once
+    groups = [f"**{g}**" if i == 0 or g != titles[i - 1][0] else "" for i, (g, _) in enumerate(titles)]
     lines = ["| | " + " | ".join(groups) + " |", "|---|" + "---|" * len(order),
-             "| **Method** | " + " | ".join(f"**{BENCHMARK_TITLES.get(b, ('', b))[1]}**" for b in order) + " |",
+             "| **Method** | " + " | ".join(f"**{t}**" for _, t in titles) + " |",
              "| *Agentic Reasoning* |" + " |" * len(order),
              f"| {name} | " + " | ".join(pct(headline(summary["benchmarks"][b])) for b in order) + " |", ""]
     cols = ["benchmark", "problems", "n", "avg@n", "pass@1", "pass@n", "maj@n", "calls/resp", "call ok", "turns",
@@ -455,9 +413,6 @@ def markdown_table(summary, name="model"):
         lines.append("| " + " | ".join(str(x) for x in row) + " |")
     return "\n".join(lines + ["", "avg@n, pass@k, maj@k and call ok in %; LiveCodeBench's headline is pass@1."])
 
-
-# -----------------------------------------------------------------------------
-# problems and records
 
 HEAVY_KEYS = ("prompt_ids", "response_ids", "loss_mask", "logprobs", "text")
 
@@ -539,8 +494,8 @@ def light(rec):
 
 
 def read_done(paths, n):
-    """uid -> n light records from earlier trajectory files; a torn last line is skipped and a
-    problem with fewer than n samples is done again."""
+    """uid -> n light records from earlier trajectory files (a torn line is skipped; a problem with
+    fewer than n samples is done again)."""
     seen = defaultdict(dict)
     for path in paths:
         for line in open(path, encoding="utf-8"):
@@ -553,19 +508,10 @@ def read_done(paths, n):
     return {uid: [s[i] for i in range(n)] for uid, s in seen.items() if all(i in s for i in range(n))}
 
 
-def rollout_config(cfg):
-    import rollout
-    return rollout.RolloutConfig(
-        n=cfg.n, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, max_prompt_tokens=cfg.max_prompt_tokens,
-        max_response_tokens=cfg.max_response_tokens, max_turns=cfg.max_turns, max_parallel_calls=cfg.max_parallel_calls,
-        tool_output_chars=cfg.tool_output_chars, tool_timeout=cfg.tool_timeout, tool_memory_mb=cfg.tool_memory_mb)
-
-
 def evaluate(model, tokenizer, problems, cfg, out_dir=None, progress=True):
-    """Roll out, grade and summarise -> (this rank's trajectory records, summary). Under
-    torch.distributed every rank takes problems[rank::world] and all return the same summary.
-    With out_dir, records are appended to out_dir/trajectories[.rankR].jsonl batch by batch, and
-    problems already complete there are not run again."""
+    """Roll out, grade and summarise -> (this rank's records, summary). Each rank takes
+    problems[rank::world]; all return the same summary. With out_dir, records are appended to
+    out_dir/trajectories[.rankR].jsonl batch by batch and problems complete there are skipped."""
     import rollout
     import sandbox
     import torch
@@ -573,17 +519,18 @@ def evaluate(model, tokenizer, problems, cfg, out_dir=None, progress=True):
     from tqdm import tqdm
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     mine = with_uids(problems)[rank::world]
-    done, traj_file = {}, None
+    done = {}
     if out_dir:
         os.makedirs(out_dir, exist_ok=True)
         done = read_done(sorted(glob.glob(os.path.join(out_dir, "trajectories*.jsonl"))), cfg.n)
-        name = "trajectories.jsonl" if world == 1 else f"trajectories.rank{rank}.jsonl"
-        traj_file = open(os.path.join(out_dir, name), "a", encoding="utf-8")
     records = [r for p in mine if p["uid"] in done for r in done[p["uid"]]]
     todo, bs = [p for p in mine if p["uid"] not in done], max(1, cfg.problems_per_batch)
-    rcfg = rollout_config(cfg)
-    bar = tqdm(total=len(todo), desc="eval", disable=not progress or rank != 0, unit="problem")
-    try:
+    # the sampling and tool settings share their names; the seed goes per problem below
+    rcfg = rollout.RolloutConfig(**{f.name: getattr(cfg, f.name) for f in fields(rollout.RolloutConfig)
+                                    if f.name != "seed"})
+    name = "trajectories.jsonl" if world == 1 else f"trajectories.rank{rank}.jsonl"
+    with (open(os.path.join(out_dir, name), "a", encoding="utf-8") if out_dir else nullcontext() as traj_file,
+          tqdm(total=len(todo), desc="eval", disable=not progress or rank != 0, unit="problem") as bar):
         for start in range(0, len(todo), bs):
             batch = todo[start:start + bs]
             # a seed per problem from its uid: reruns, resumes and any rank split sample the same
@@ -597,10 +544,6 @@ def evaluate(model, tokenizer, problems, cfg, out_dir=None, progress=True):
                 os.fsync(traj_file.fileno())
             records += new
             bar.update(len(batch))
-    finally:
-        bar.close()
-        if traj_file:
-            traj_file.close()
     lights = [light(r) for r in records]
     if world > 1:
         gathered = [None] * world
@@ -613,6 +556,7 @@ def evaluate(model, tokenizer, problems, cfg, out_dir=None, progress=True):
 def write_filtered(problems, records, out_path):
     """The paper's model-aware filtering: drop the problems solved in every sample or in none,
     tag the rest easy (pass rate >= 0.75), hard (<= 0.25) or medium; a histogram beside them."""
+    from data.prepare import write_jsonl
     solved = defaultdict(list)
     for r in records:
         solved[r["uid"]].append(r["correct"])
@@ -624,9 +568,7 @@ def write_filtered(problems, records, out_path):
         hist[tag] += 1
         if not tag.startswith("dropped"):
             kept.append(dict({k: v for k, v in p.items() if k != "uid"}, pass_rate=rate, difficulty=tag))
-    with open(out_path + ".tmp", "w", encoding="utf-8") as f:
-        f.writelines(json.dumps(p, ensure_ascii=False) + "\n" for p in kept)
-    os.replace(out_path + ".tmp", out_path)
+    write_jsonl(out_path, kept)
     histogram = {"problems": len(problems), "kept": len(kept), "difficulty": {t: hist[t] for t in (
         "easy", "medium", "hard", "dropped_always_solved", "dropped_never_solved")}}
     with open(out_path + ".hist.json", "w") as f:
@@ -634,9 +576,6 @@ def write_filtered(problems, records, out_path):
     print(f"kept {len(kept)} of {len(problems)} problems -> {out_path}: {histogram['difficulty']}")
     return histogram
 
-
-# -----------------------------------------------------------------------------
-# command line
 
 
 def parse_config(argv):

@@ -1,22 +1,14 @@
 """model.py: the Qwen2 / Qwen3 decoder in plain PyTorch, shared by the sampler and both trainers.
 
-- `ModelConfig` reads a Hugging Face config.json as transformers 4.x writes it (rope_theta,
-  torch_dtype) or as 5.x does (rope_parameters, dtype).
-- `Transformer`: RMSNorm, rotary embeddings, grouped-query attention, Qwen3's q/k RMSNorm, Qwen2's
-  q/k/v biases, SwiGLU, tied or untied embeddings. q/k/v and gate/up are each one matmul (as vLLM
-  fuses them); from_pretrained / save_pretrained convert from / to the Hugging Face tensor names,
-  so HF checkpoints go in and come out unchanged. Loading builds on the meta device and reads
-  tensor by tensor onto the target device and dtype (no fp32 copy of a bf16 model in host memory).
-- `token_logprobs`: per-token log-probs (and entropy) by a custom autograd function that
-  recomputes the logits chunk by chunk in backward: never full-vocabulary fp32 logits for a
-  whole sequence.
-- Packed input: input_ids [1, N] plus cu_seqlens (int32, on the model's device): attention stays
-  inside each sequence (flash-attn varlen on CUDA in bf16/fp16, one SDPA call per sequence
-  elsewhere). The boundaries are read to the host once per forward, not once per layer.
-- `kv_cache`: any object with attend(layer, q, k, v) -> out, q [B, T, Hq, D] and k, v
-  [B, T, Hkv, D] after RoPE and q/k-norm (rollout.py's paged cache).
-No departure from the paper's math; the paper samples with vLLM and trains with verl, here one
-module does both, so sampler and trainer log-probs come from one implementation.
+RMSNorm, rotary embeddings, grouped-query attention, Qwen3's q/k RMSNorm, Qwen2's q/k/v biases, SwiGLU, tied
+or untied embeddings. q/k/v and gate/up are each one matmul (as vLLM fuses them); from_pretrained and
+save_pretrained convert from and to the Hugging Face names and config.json (as transformers 4.x or 5.x writes
+it), loading on the meta device and then tensor by tensor onto the target device and dtype. `token_logprobs`
+recomputes the logits chunk by chunk in backward: never full-vocabulary fp32 logits for a whole sequence.
+Packed input: input_ids [1, N] plus int32 cu_seqlens, attention inside each sequence (flash-attn varlen on CUDA
+in bf16/fp16, one SDPA call per sequence elsewhere). `kv_cache`: any object with attend(layer, q, k, v) -> out
+(rollout.py's paged cache). No departure from the paper's math; where the paper samples with vLLM and trains
+with verl, one module does both, so sampler and trainer log-probs come from one implementation.
 """
 
 import contextlib
@@ -78,8 +70,7 @@ class ModelConfig:
             raise NotImplementedError(f"{source}: sliding-window attention is not implemented")
         dtype = d.pop("dtype", None) or d.pop("torch_dtype", None) or "bfloat16"
         d.pop("torch_dtype", None)
-        if d.get("head_dim") is None:
-            d["head_dim"] = d["hidden_size"] // d["num_attention_heads"]
+        d["head_dim"] = d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"]
         d.setdefault("num_key_value_heads", d["num_attention_heads"])
         names = {f.name for f in fields(cls)} - {"extra", "rope_theta", "dtype"}
         known = {k: d.pop(k) for k in list(d) if k in names}
@@ -121,21 +112,15 @@ def apply_rope(x, cos, sin):
     return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
 
 
-def use_flash(backend, q):
-    if backend == "flash" and flash_attn_varlen_func is None:
-        raise RuntimeError("attn_backend='flash' but flash_attn is not installed")
-    return backend == "flash" or (backend == "auto" and flash_attn_varlen_func is not None and q.is_cuda
-                                  and q.dtype in (torch.float16, torch.bfloat16))
-
-
 def attention(q, k, v, packed=None, backend="auto"):
     """Causal attention, q [B, T, Hq, D], k/v [B, T, Hkv, D] -> [B, T, Hq, D]. packed: None or
     (cu_seqlens on the device, the same boundaries as a host list, the longest sequence)."""
     B, T = q.shape[:2]
-    if use_flash(backend, q):
-        if packed is None:
-            packed = (torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=q.device), None, T)
-        cu, _, longest = packed
+    if backend == "flash" and flash_attn_varlen_func is None:
+        raise RuntimeError("attn_backend='flash' but flash_attn is not installed")
+    if backend == "flash" or (backend == "auto" and flash_attn_varlen_func is not None and q.is_cuda
+                              and q.dtype in (torch.float16, torch.bfloat16)):
+        cu, _, longest = packed or (torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=q.device), None, T)
         out = flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu, cu, longest, longest,
                                      causal=True)
         return out.view(B, T, *out.shape[1:])
@@ -191,8 +176,7 @@ class Attention(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.sizes = [self.n_heads * self.head_dim, self.n_kv * self.head_dim, self.n_kv * self.head_dim]
-        self.qkv_proj = Linear(cfg.hidden_size, sum(self.sizes), bias=cfg.qkv_bias)
+        self.qkv_proj = Linear(cfg.hidden_size, (self.n_heads + 2 * self.n_kv) * self.head_dim, bias=cfg.qkv_bias)
         self.o_proj = Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
@@ -234,22 +218,11 @@ class Block(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class Decoder(nn.Module):
-    """The `model.` prefix of the Hugging Face names: embeddings, blocks, final norm."""
-
-    def __init__(self, cfg):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-
 class _ChunkedLogprobs(torch.autograd.Function):
-    """log p(target) and entropy from hidden states without a full [N, V] fp32 logits tensor.
-    Forward keeps only per-token results (log p, log-sum-exp, entropy), chunk of tokens by chunk.
-    Backward recomputes the logits one block of the vocabulary at a time: each block of the weight
-    gradient is written exactly (one matmul, no cross-chunk rounding in bf16) and the hidden-state
-    gradient is accumulated in fp32. Extra memory: a few fp32 blocks of `block_bytes` each."""
+    """log p(target) and entropy from hidden states, chunk of tokens by chunk, keeping only per-token results
+    (log p, log-sum-exp, entropy): never a full [N, V] fp32 logits tensor. Backward recomputes the logits one
+    block of the vocabulary at a time: each block of the weight gradient is one matmul (no cross-chunk rounding
+    in bf16), the hidden-state gradient is accumulated in fp32. Extra memory: a few fp32 blocks of `block_bytes`."""
 
     @staticmethod
     def forward(ctx, h, weight, targets, temperature, want_entropy, block_bytes):
@@ -282,10 +255,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
             logp_all = (h @ w.t()).float().div_(ctx.temperature).sub_(lse[:, None])   # [N, Vc]
             p = logp_all.exp()
             # d log p[target] / dz = onehot - p;  dH / dz = -p (log p + H)
-            if g_ent is not None:
-                gz = logp_all.add_(ent[:, None]).mul_(-g_ent).sub_(g_logp).mul_(p)
-            else:
-                gz = p.mul_(-g_logp)
+            gz = logp_all.add_(ent[:, None]).mul_(-g_ent).sub_(g_logp).mul_(p) if g_ent is not None else p.mul_(-g_logp)
             rows = ((targets >= c) & (targets < c + cols)).nonzero().squeeze(1)
             gz[rows, targets[rows] - c] += g_logp[rows, 0]
             gz = gz.div_(ctx.temperature).to(weight.dtype)
@@ -300,7 +270,10 @@ class Transformer(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.config = config
-        self.model = Decoder(config)
+        self.model = nn.ModuleDict(dict(  # the `model.` prefix of the Hugging Face names
+            embed_tokens=nn.Embedding(config.vocab_size, config.hidden_size),
+            layers=nn.ModuleList(Block(config, i) for i in range(config.num_hidden_layers)),
+            norm=RMSNorm(config.hidden_size, config.rms_norm_eps)))
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
         self.attn_backend = "auto"           # "auto" | "sdpa" | "flash"
@@ -325,18 +298,15 @@ class Transformer(nn.Module):
             positions = torch.arange(T, device=input_ids.device).expand(B, T)
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rope(positions, x.dtype)
+        recompute = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
         for layer in self.model.layers:
             args = (x, cos, sin, packed, kv_cache, self.attn_backend)
-            if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
-                x = torch.utils.checkpoint.checkpoint(layer, *args, use_reentrant=False)
-            else:
-                x = layer(*args)
+            x = torch.utils.checkpoint.checkpoint(layer, *args, use_reentrant=False) if recompute else layer(*args)
         return self.model.norm(x)
 
     def rope(self, positions, dtype):
-        """rope_cos_sin(positions); on CPU read from a table of the first 2^k positions (remade when a position
-        passes its end), so a decode step indexes it instead of recomputing. On CUDA, and when compiled,
-        computed: no host read."""
+        """rope_cos_sin(positions). On CPU indexed from a table of the first 2^k positions (remade when a position
+        passes its end) instead of recomputed every decode step; on CUDA, and when compiled, computed: no host read."""
         cfg = self.config
         if positions.is_cuda or torch.compiler.is_compiling():
             return rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, dtype)
@@ -400,7 +370,10 @@ class Transformer(nn.Module):
                 state.update({k: f.get_tensor(k).to(dtype=dtype) for k in f.keys()})
         if config.tie_word_embeddings:
             state.pop("lm_head.weight", None)
-        state = fuse_hf(state)
+        for key in [k for k in state if ".q_proj." in k or ".gate_proj." in k]:  # HF names -> the fused tensors
+            prefix, name, kind = key.rsplit(".", 2)
+            fused = next(f for f, parts in FUSED.items() if parts[0] == name)
+            state[f"{prefix}.{fused}.{kind}"] = torch.cat([state.pop(f"{prefix}.{p}.{kind}") for p in FUSED[fused]])
         expected = {k for k, _ in model.named_parameters()}
         missing, unexpected = expected - state.keys(), state.keys() - expected
         if missing or unexpected:
@@ -414,16 +387,22 @@ class Transformer(nn.Module):
         """config.json + safetensors with HF names, sharded (with an index) above max_shard_bytes."""
         from safetensors.torch import save_file
         os.makedirs(path, exist_ok=True)
-        state = split_hf({k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}, self)
-        if self.config.tie_word_embeddings:
+        cfg = self.config
+        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        sizes = {"qkv_proj": [cfg.num_attention_heads * cfg.head_dim] + [cfg.num_key_value_heads * cfg.head_dim] * 2,
+                 "gate_up_proj": [cfg.intermediate_size] * 2}
+        for key in [k for k in state if k.rsplit(".", 2)[-2] in FUSED]:  # the fused tensors -> HF names (views)
+            prefix, fused, kind = key.rsplit(".", 2)
+            for name, part in zip(FUSED[fused], state.pop(key).split(sizes[fused])):
+                state[f"{prefix}.{name}.{kind}"] = part.contiguous()
+        if cfg.tie_word_embeddings:
             state.pop("lm_head.weight", None)
         dtype_name = {v: k for k, v in DTYPES.items()}[next(iter(state.values())).dtype]
-        shards, size = [{}], 0
-        for key, t in state.items():
-            if shards[-1] and size + t.nbytes > max_shard_bytes:
+        shards = [{}]
+        for key, t in state.items():  # a new shard when this tensor would take the current one past the limit
+            if shards[-1] and sum(x.nbytes for x in shards[-1].values()) + t.nbytes > max_shard_bytes:
                 shards.append({})
-                size = 0
-            shards[-1][key], size = t, size + t.nbytes
+            shards[-1][key] = t
         for stale in os.listdir(path):  # a re-save with another shard count must not leave old shards
             if stale.startswith("model") and stale.endswith((".safetensors", ".index.json")):
                 os.remove(os.path.join(path, stale))
@@ -437,28 +416,7 @@ class Transformer(nn.Module):
             with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
                 json.dump(index, f, indent=2)
         with open(os.path.join(path, "config.json"), "w") as f:
-            json.dump(dict(self.config.to_dict(), torch_dtype=dtype_name, dtype=dtype_name), f, indent=2)
-
-
-def fuse_hf(state):
-    """HF names (q_proj, k_proj, v_proj, gate_proj, up_proj) -> the fused tensors, in place."""
-    for key in [k for k in state if ".q_proj." in k or ".gate_proj." in k]:
-        prefix, name, kind = key.rsplit(".", 2)
-        fused = next(f for f, parts in FUSED.items() if parts[0] == name)
-        state[f"{prefix}.{fused}.{kind}"] = torch.cat([state.pop(f"{prefix}.{p}.{kind}") for p in FUSED[fused]])
-    return state
-
-
-def split_hf(state, model):
-    """The fused tensors -> HF names, each a view of its rows."""
-    cfg = model.config
-    sizes = {"qkv_proj": model.model.layers[0].self_attn.sizes if cfg.num_hidden_layers else [],
-             "gate_up_proj": [cfg.intermediate_size] * 2}
-    for key in [k for k in state if k.rsplit(".", 2)[-2] in FUSED]:
-        prefix, fused, kind = key.rsplit(".", 2)
-        for name, part in zip(FUSED[fused], state.pop(key).split(sizes[fused])):
-            state[f"{prefix}.{name}.{kind}"] = part.contiguous()
-    return state
+            json.dump(dict(cfg.to_dict(), torch_dtype=dtype_name, dtype=dtype_name), f, indent=2)
 
 
 def checkpoint_files(path):

@@ -14,7 +14,6 @@ trains, so no weights are ever synchronised. Metrics to out_dir/metrics.jsonl, c
     torchrun --standalone --nproc_per_node 8 rl.py -- --model Gen-Verse/Qwen3-4B-RA-SFT \\
         --data data/rl.jsonl --eval_data data/eval/aime25.jsonl --out_dir runs/grpo_tcr
     Ablations: --clip_higher=false --overlong=false (GRPO-T); --loss_agg=seq-mean-token-mean.
-With --nnodes > 1, out_dir must be on a filesystem every node sees (each rank reads its shard).
 
 Departures from the paper's run (verl + SGLang):
 - exact global token-mean over the mini-batch (verl weights each micro-batch's mean by its size);
@@ -41,6 +40,9 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
+import evaluate
+import rollout
+import sandbox
 from data import toy
 from common import Metrics, build_model, check_resume, latest_resumable, load_checkpoint, parse_config, print0, \
     resolve_model, save_checkpoint, distributed
@@ -121,10 +123,7 @@ def parse_args(argv):
     return parse_config(Config, argv, __doc__, presets={"toy": TOY})
 
 
-# -----------------------------------------------------------------------------
-# advantages, rewards, the loss
-
-
+# ---------------------------------------------------------------- advantages, rewards, the loss
 def group_advantages(rewards, group_size, eps=1e-6):
     """GRPO: (r - group mean) / (group std + eps), std unbiased, one group per consecutive
     group_size rewards. [G * n] -> [G * n] float32; exactly 0 where a group's rewards are equal."""
@@ -167,11 +166,9 @@ def shape_reward(correctness, tool_turns, length, cfg):
 def aggregate(per_token, mask, agg, num_tokens, seq_ids=None, num_seqs=None):
     """token-mean: the sum over every masked token / num_tokens (the mini-batch's count over all
     micro-batches and ranks, so the parts add up to the whole); seq-mean-token-mean: each
-    sequence's token mean (seq_ids [B, T], default the rows), summed, / num_seqs."""
+    sequence's token mean (seq_ids [B, T], default the rows), summed, / num_seqs (train() checks agg)."""
     if agg == "token-mean":
         return (per_token * mask).sum() / num_tokens
-    if agg != "seq-mean-token-mean":
-        raise ValueError(f"loss_agg {agg!r}: expected 'token-mean' or 'seq-mean-token-mean'")
     if seq_ids is None:
         seq_ids = torch.arange(mask.shape[0], device=mask.device)[:, None].expand_as(mask)
     S, flat = int(seq_ids.max()) + 1, seq_ids.reshape(-1)
@@ -209,13 +206,9 @@ def grpo_tcr_loss(logprobs, old_logprobs, advantages, mask, clip_low=0.2, clip_h
     return loss, stats
 
 
-# -----------------------------------------------------------------------------
-# data
-
-
+# ---------------------------------------------------------------- data
 def load_problems(path):
     """Project-format problems; a malformed record stops the run with file and line."""
-    import evaluate
     if not os.path.exists(path):
         raise SystemExit(f"{path}: problems file not found")
     problems = evaluate.load_jsonl(path)
@@ -227,9 +220,7 @@ def load_problems(path):
 def drop_overlong(problems, tokenizer, max_tokens, path):
     """The recipe's filter_overlong_prompts: prompts over max_tokens (chat template and tool
     schema included) are dropped at load time, counted and reported, instead of failing mid-run."""
-    import rollout
-    from sandbox import TOOL_SCHEMA
-    chat = rollout.ChatFormat(tokenizer, TOOL_SCHEMA)  # the prompt exactly as the rollout renders it
+    chat = rollout.ChatFormat(tokenizer, sandbox.TOOL_SCHEMA)  # the prompt exactly as the rollout renders it
     kept = [p for p in problems if len(chat.prompt_ids(p["prompt"], p.get("system"))) <= max_tokens]
     if len(kept) < len(problems):
         print0(f"{path}: dropped {len(problems) - len(kept)} of {len(problems)} problems with prompts over "
@@ -257,10 +248,7 @@ def problem_seed(seed, step, position):
     return zlib.crc32(f"rl:{seed}:{step}:{position}".encode()) % 2**31
 
 
-# -----------------------------------------------------------------------------
-# distributed helpers
-
-
+# ---------------------------------------------------------------- distributed helpers
 @contextmanager
 def full_weights(model):
     """Generation needs every weight on every rank: under FSDP2 all-gather each unit once for the
@@ -290,27 +278,23 @@ def all_gather_list(items):
     return [x for part in parts for x in part]
 
 
-# -----------------------------------------------------------------------------
-# rollout and grading
-
-
+# ---------------------------------------------------------------- rollout and grading
 class TimedSandbox:
-    """sandbox.py with the seconds of its runs added up, for the step's time breakdown."""
+    """sandbox.submit with the seconds of its runs added up, for the step's time breakdown (the
+    rollout takes the sandbox's other functions from sandbox.py itself)."""
 
-    def __init__(self, module):
-        self.module, self.seconds, self.lock = module, 0.0, threading.Lock()
-
-    def __getattr__(self, name):
-        return getattr(self.module, name)
+    def __init__(self):
+        self.seconds, self.lock = 0.0, threading.Lock()
 
     def submit(self, *args, **kwargs):
-        def add(f):
-            if f.exception() is None:
-                with self.lock:
-                    self.seconds += f.result().seconds or 0.0
-        future = self.module.submit(*args, **kwargs)
-        future.add_done_callback(add)
+        future = sandbox.submit(*args, **kwargs)
+        future.add_done_callback(self.add)
         return future
+
+    def add(self, future):
+        if future.exception() is None:
+            with self.lock:
+                self.seconds += future.result().seconds or 0.0
 
 
 SHARED = ("top_k", "max_prompt_tokens", "max_response_tokens", "max_turns", "max_parallel_calls",
@@ -318,7 +302,6 @@ SHARED = ("top_k", "max_prompt_tokens", "max_response_tokens", "max_turns", "max
 
 
 def has_program(text):
-    import evaluate
     program = evaluate.extract_program(text)
     try:
         return bool(program and program.strip()) and ast.parse(program) is not None
@@ -329,33 +312,27 @@ def has_program(text):
 def grade(problems, trajs, cfg):
     """Score every trajectory (code answers run their tests in the sandbox, concurrently) and
     make it a training sample: token ids, masks, reward."""
-    import evaluate
-
     def one(t):
         p = problems[t.problem_index]
         score = evaluate.score(p, t.text, code_timeout=cfg.code_test_timeout)
-        return score, correctness_reward(p["kind"], score, p["kind"] != "code" or has_program(t.text))
-
-    with ThreadPoolExecutor(max(1, cfg.score_workers)) as pool:
-        graded = list(pool.map(one, trajs))
-    samples = []
-    for t, (score, correct_r) in zip(trajs, graded):
+        correct_r = correctness_reward(p["kind"], score, p["kind"] != "code" or has_program(t.text))
         tool_turns = len({c["turn"] for c in t.tool_calls if c["status"] != "bad_call"})
-        samples.append(dict(
+        return dict(
             problem=t.problem_index, sample=t.sample_index, ids=list(t.prompt_ids) + list(t.response_ids),
             prompt_len=len(t.prompt_ids), mask=list(t.loss_mask), sampler_logprobs=list(t.logprobs),
             score=score, correct=score >= 1.0, reward=shape_reward(correct_r, tool_turns, len(t.response_ids), cfg),
             tool_calls=len(t.tool_calls), tool_ok=sum(c["status"] == "ok" for c in t.tool_calls),
-            length=len(t.response_ids), finish=t.finish_reason, text=t.text))
-    return samples
+            length=len(t.response_ids), finish=t.finish_reason, text=t.text)
+
+    with ThreadPoolExecutor(max(1, cfg.score_workers)) as pool:
+        return list(pool.map(one, trajs))
 
 
-# -----------------------------------------------------------------------------
-# training forward: packed micro-batches
-
-
-def pack(samples, budget):
-    """Greedy packing in order: lists of samples within `budget` tokens (a longer one goes alone)."""
+# ---------------------------------------------------------------- training forward: packed micro-batches
+def pack(samples, budget, device):
+    """Greedy packing in order: lists of samples within `budget` tokens (a longer one goes alone),
+    padded to the most over ranks with loss-free two-token samples: every FSDP forward and
+    backward is a collective that needs every rank."""
     batches, size = [[]], 0
     for s in samples:
         if batches[-1] and size + len(s["ids"]) - 1 > budget:
@@ -363,7 +340,11 @@ def pack(samples, budget):
             size = 0
         batches[-1].append(s)
         size += len(s["ids"]) - 1
-    return batches if batches[0] else []
+    batches = batches if batches[0] else []
+    most = int(all_reduce([len(batches)], device, dist.ReduceOp.MAX)[0])
+    dummy = dict(ids=[0, 0], prompt_len=1, mask=[0], sampler_logprobs=[0.0], adv=0.0, old_logprobs=torch.zeros(1),
+                 ref_logprobs=torch.zeros(1))   # mask 0: whatever these are, the token adds 0 to loss and gradient
+    return batches + [[dummy] for _ in range(most - len(batches))]
 
 
 def micro_tensors(batch, device):
@@ -378,7 +359,7 @@ def micro_tensors(batch, device):
         cols["targets"] += s["ids"][1:]
         cols["mask"] += [0] * pad + s["mask"]
         cols["sampler_logprobs"] += [0.0] * pad + s["sampler_logprobs"]
-        cols["adv"] += [s.get("adv", 0.0)] * n
+        cols["adv"] += [s["adv"]] * n
         cols["seq_ids"] += [k] * n
         lengths.append(n)
     kinds = dict(input_ids=torch.long, targets=torch.long, seq_ids=torch.long)
@@ -386,27 +367,19 @@ def micro_tensors(batch, device):
     return dict(mb, cu_seqlens=cu_seqlens_from_lengths(lengths, device=device), lengths=lengths)
 
 
-def equal_count(batches, device):
-    """Pad a rank's micro-batches to the most over ranks with loss-free two-token samples: every
-    FSDP forward and backward is a collective that needs every rank."""
-    most = int(all_reduce([len(batches)], device, dist.ReduceOp.MAX)[0])
-    dummy = dict(ids=[0, 0], prompt_len=1, mask=[0], sampler_logprobs=[0.0], adv=0.0, dummy=True)
-    return batches + [[dummy] for _ in range(most - len(batches))]
-
-
 @torch.no_grad()
 def score_tokens(model, samples, key, cfg, device, entropy=False):
     """Per-token log-probs of model on each sample's targets -> sample[key] (entropy -> sample['entropy'])."""
     model.eval()
-    for batch in equal_count(pack(samples, cfg.logprob_micro_batch_tokens), device):
+    for batch in pack(samples, cfg.logprob_micro_batch_tokens, device):
         mb = micro_tensors(batch, device)
         out = model.token_logprobs(mb["input_ids"], mb["targets"], cu_seqlens=mb["cu_seqlens"],
                                    return_entropy=entropy, temperature=cfg.temperature)
-        logp, ent = out if entropy else (out, None)
-        for i, s in enumerate(batch):
-            s[key] = logp[0].split(mb["lengths"])[i].float()
+        logp, ent = out if entropy else (out, out)
+        for s, lp, e in zip(batch, logp[0].split(mb["lengths"]), ent[0].split(mb["lengths"])):
+            s[key] = lp.float()
             if entropy:
-                s["entropy"] = ent[0].split(mb["lengths"])[i].float()
+                s["entropy"] = e.float()
 
 
 def update(model, opt, samples, num_tokens, num_seqs, cfg, device, world):
@@ -417,25 +390,21 @@ def update(model, opt, samples, num_tokens, num_seqs, cfg, device, world):
     opt.zero_grad(set_to_none=True)
     clip_high = cfg.clip_high if cfg.clip_higher else cfg.clip_low
     totals = {}
-    for batch in equal_count(pack(samples, cfg.micro_batch_tokens), device):
+    for batch in pack(samples, cfg.micro_batch_tokens, device):
         mb = micro_tensors(batch, device)
         logp, ent = model.token_logprobs(mb["input_ids"], mb["targets"], cu_seqlens=mb["cu_seqlens"],
                                          return_entropy=True, temperature=cfg.temperature)   # [1, N] each
-        dummy = batch[0].get("dummy", False)
-        old = logp.detach() if dummy else torch.cat([s["old_logprobs"] for s in batch]).to(device)[None]
-        is_w = None
-        if cfg.tis_cap > 0:  # the sampler drew these tokens: weight them towards the trainer's numbers
-            is_w = torch.exp(old - mb["sampler_logprobs"]).clamp(max=cfg.tis_cap) * mb["mask"]
-        agg = dict(agg=cfg.loss_agg, seq_ids=mb["seq_ids"], num_seqs=num_seqs)
+        old = torch.cat([s["old_logprobs"] for s in batch]).to(device)[None]
+        # TIS: the sampler drew these tokens, so weight them towards the trainer's numbers
+        is_w = torch.exp(old - mb["sampler_logprobs"]).clamp(max=cfg.tis_cap) * mb["mask"] if cfg.tis_cap > 0 else None
+        agg = dict(agg=cfg.loss_agg, num_tokens=num_tokens, seq_ids=mb["seq_ids"], num_seqs=num_seqs)
         loss, stats = grpo_tcr_loss(logp, old, mb["adv"], mb["mask"], cfg.clip_low, clip_high, cfg.clip_c,
-                                    num_tokens, is_weights=is_w, entropy=ent.detach(), **agg)
+                                    is_weights=is_w, entropy=ent.detach(), **agg)
         if cfg.entropy_coef > 0:  # the entropy of the differentiable forward, aggregated like the loss
-            loss = loss - cfg.entropy_coef * aggregate(ent, mb["mask"], cfg.loss_agg, num_tokens, mb["seq_ids"], num_seqs)
+            loss = loss - cfg.entropy_coef * aggregate(ent, mb["mask"], **agg)
         if cfg.kl_coef > 0:       # verl's low_var_kl (k3) to the frozen start policy, clamped as there
-            ref = logp.detach() if dummy else torch.cat([s["ref_logprobs"] for s in batch]).to(device)[None]
-            d = (ref - logp).clamp(-20.0, 20.0)
-            kl = aggregate((d.exp() - d - 1).clamp(-10.0, 10.0), mb["mask"], cfg.loss_agg, num_tokens,
-                           mb["seq_ids"], num_seqs)
+            d = (torch.cat([s["ref_logprobs"] for s in batch]).to(device)[None] - logp).clamp(-20.0, 20.0)
+            kl = aggregate((d.exp() - d - 1).clamp(-10.0, 10.0), mb["mask"], **agg)
             loss, stats["ref_kl"] = loss + cfg.kl_coef * kl, kl.detach()
         (loss * world).backward()  # FSDP averages gradients over ranks; the loss is already global
         stats["loss"] = loss.detach()
@@ -447,13 +416,9 @@ def update(model, opt, samples, num_tokens, num_seqs, cfg, device, world):
     return summed
 
 
-# -----------------------------------------------------------------------------
-# evaluation and metrics
-
-
+# ---------------------------------------------------------------- evaluation and metrics
 def run_eval(model, tokenizer, problems, cfg, step):
     """Held-out accuracy with evaluate.py's protocol (temperature 1.0, top-p 0.6, eval_n samples)."""
-    import evaluate
     ecfg = evaluate.EvalConfig(n=cfg.eval_n, temperature=cfg.eval_temperature, top_p=cfg.eval_top_p,
                                code_test_timeout=cfg.code_test_timeout, seed=cfg.seed,
                                **{k: getattr(cfg, k) for k in SHARED})
@@ -471,23 +436,19 @@ def run_eval(model, tokenizer, problems, cfg, step):
     return result
 
 
-def step_metrics(step, everyone, updates, samples, device):
+def step_metrics(step, everyone, groups, updates, samples, device):
     """One metrics line: rewards, accuracy, tool use, lengths, the loss stats (means over the
     updates), the entropy and the sampler/trainer log-prob mismatch over this step's tokens."""
     n, calls = len(everyone), sum(s["tool_calls"] for s in everyone)
     ent = total = worst = outside = count = 0.0
     for s in samples:
-        m = torch.tensor(s["mask"], dtype=torch.bool)
-        trainer = s["old_logprobs"][s["prompt_len"] - 1:].cpu()[m]
-        d = trainer - torch.tensor(s["sampler_logprobs"])[m]
-        ent += float(s["entropy"][s["prompt_len"] - 1:].cpu()[m].sum())
+        m, start = torch.tensor(s["mask"], dtype=torch.bool), s["prompt_len"] - 1
+        d = s["old_logprobs"][start:].cpu()[m] - torch.tensor(s["sampler_logprobs"])[m]
+        ent += float(s["entropy"][start:].cpu()[m].sum())
         total, count = total + float(d.abs().sum()), count + d.numel()
         worst = max([worst] + d.abs().tolist())
         outside += float(((d.exp() < 0.9) | (d.exp() > 1.1)).sum())
     ent, total, outside, count = all_reduce([ent, total, outside, count], device)
-    groups = {}
-    for s in everyone:
-        groups.setdefault(s["problem"], []).append(s["reward"])
     rec = {"event": "step", "step": step, "reward": sum(s["reward"] for s in everyone) / n,
            "accuracy": sum(s["correct"] for s in everyone) / n, "score": sum(s["score"] for s in everyone) / n,
            "tool_calls_per_traj": calls / n,
@@ -513,7 +474,8 @@ def learning_curve(out_dir):
     """Reward, training accuracy and tool calls per trajectory by step, from metrics.jsonl, as a
     table, and as out_dir/learning_curve.png when matplotlib (optional) is installed."""
     rows = [r for r in map(json.loads, open(os.path.join(out_dir, "metrics.jsonl"))) if r.get("event") == "step"]
-    keys = ("reward", "accuracy", "tool_calls_per_traj")
+    keys = {"reward": "mean reward", "accuracy": "accuracy of the step's samples",
+            "tool_calls_per_traj": "tool calls per trajectory"}
     table = "\n".join(["step  " + "  ".join(f"{k:>19}" for k in keys)] +
                       [f"{r['step']:>4}  " + "  ".join(f"{r[k]:>19.3f}" for k in keys) for r in rows])
     try:
@@ -523,24 +485,18 @@ def learning_curve(out_dir):
     except ImportError:
         return table
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.2))
-    for ax, k, title in zip(axes, keys, ("mean reward", "accuracy of the step's samples", "tool calls per trajectory")):
+    for ax, (k, title) in zip(axes, keys.items()):
         ax.plot([r["step"] for r in rows], [r[k] for r in rows])
-        ax.set_xlabel("step")
-        ax.set_title(title)
+        ax.set(xlabel="step", title=title)
     fig.tight_layout()
     fig.savefig(os.path.join(out_dir, "learning_curve.png"), dpi=100)
     plt.close(fig)
     return table
 
 
-# -----------------------------------------------------------------------------
-# the loop
-
-
+# ---------------------------------------------------------------- the loop
 def train(cfg):
     """Run GRPO-TCR as configured; returns the summary dict (also out_dir/summary.json)."""
-    import sandbox
-    from transformers import AutoTokenizer
     if cfg.prompts_per_step % cfg.mini_batch_prompts:
         raise SystemExit("prompts_per_step must be a multiple of mini_batch_prompts")
     if cfg.loss_agg not in ("token-mean", "seq-mean-token-mean"):
@@ -554,10 +510,11 @@ def train(cfg):
                 toy.ensure()
             dist.barrier()
             cfg.model = toy.sft_start()
-        return _train(cfg, rank, world, device, sharded, sandbox, AutoTokenizer)
+        return _train(cfg, rank, world, device, sharded)
 
 
-def _train(cfg, rank, world, device, sharded, sandbox, AutoTokenizer):
+def _train(cfg, rank, world, device, sharded):
+    from transformers import AutoTokenizer
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     problems = load_problems(cfg.data)
@@ -571,9 +528,7 @@ def _train(cfg, rank, world, device, sharded, sandbox, AutoTokenizer):
 
     model = build_model(path, device, sharded)
     model.attn_backend, model.gradient_checkpointing = cfg.attn_backend, cfg.activation_checkpointing
-    ref = None
-    if cfg.kl_coef > 0:  # the frozen start policy
-        ref = build_model(path, device, sharded).requires_grad_(False)
+    ref = build_model(path, device, sharded).requires_grad_(False) if cfg.kl_coef > 0 else None  # frozen start
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay)
     start, evals = 0, {}
     resume_from = latest_resumable(cfg.out_dir) if cfg.resume else None
@@ -589,7 +544,9 @@ def _train(cfg, rank, world, device, sharded, sandbox, AutoTokenizer):
         evals["before"] = run_eval(model, tokenizer, eval_problems, cfg, 0)
         print0(f"eval before: accuracy {evals['before']['accuracy']:.3f}")
 
-    timed_sandbox = TimedSandbox(sandbox)
+    timed_sandbox = TimedSandbox()
+    rcfg = rollout.RolloutConfig(n=cfg.samples_per_prompt, temperature=cfg.temperature, top_p=cfg.top_p,
+                                 **{k: getattr(cfg, k) for k in SHARED})
     for step in range(start, steps):
         t_step, times = time.time(), {}
         # 1. rollout: this rank takes every world-th problem, so each mini-batch is on every rank
@@ -598,9 +555,6 @@ def _train(cfg, rank, world, device, sharded, sandbox, AutoTokenizer):
         t0, timed_sandbox.seconds = time.time(), 0.0
         model.eval()
         with full_weights(model):
-            import rollout
-            rcfg = rollout.RolloutConfig(n=cfg.samples_per_prompt, temperature=cfg.temperature, top_p=cfg.top_p,
-                                         **{k: getattr(cfg, k) for k in SHARED})
             trajs = rollout.rollout(model, tokenizer, [batch[i] for i in mine], rcfg, sandbox=timed_sandbox,
                                     seeds=[problem_seed(cfg.seed, step, i) for i in mine])
         times["rollout"], times["sandbox"] = time.time() - t0, timed_sandbox.seconds
@@ -617,12 +571,11 @@ def _train(cfg, rank, world, device, sharded, sandbox, AutoTokenizer):
         times["score"] = time.time() - t0
         everyone = all_gather_list([{k: v for k, v in s.items() if k in ("problem", "reward", "score", "correct",
                                      "tool_calls", "tool_ok", "length", "finish")} for s in samples])
-        kept = {s["problem"] for s in everyone}
-        if cfg.dynamic_sampling:  # only groups whose rewards differ carry a signal
-            rewards = {}
-            for s in everyone:
-                rewards.setdefault(s["problem"], set()).add(s["reward"])
-            kept = {p for p, r in rewards.items() if len(r) > 1}
+        groups = {}
+        for s in everyone:
+            groups.setdefault(s["problem"], []).append(s["reward"])
+        # dynamic sampling: train only on the groups whose rewards differ (the others carry no signal)
+        kept = {p for p, g in groups.items() if max(g) > min(g) or not cfg.dynamic_sampling}
 
         # 3. old (and reference) log-probs with the training forward
         t0 = time.time()
@@ -649,7 +602,7 @@ def _train(cfg, rank, world, device, sharded, sandbox, AutoTokenizer):
         times["update"] = time.time() - t0
 
         # 5. log, evaluate, save
-        record = step_metrics(step + 1, everyone, updates, samples, device)
+        record = step_metrics(step + 1, everyone, groups, updates, samples, device)
         t0, last = time.time(), step + 1 == steps
         if eval_problems and (last or (cfg.eval_every and (step + 1) % cfg.eval_every == 0)):
             record["eval"] = evals["last"] = run_eval(model, tokenizer, eval_problems, cfg, step + 1)

@@ -3,26 +3,23 @@
 `generate` / `complete`: token-id prompts in, new ids (and log-probs) out. K/V sits in fixed-size blocks
 with a block table per sequence; full prompt blocks are shared by reference count (the n samples of a
 prompt prefill it once); continuous batching; preemption by recompute when blocks run out. With
-flash-attn importable on CUDA, attention reads the paged pools and a decode step runs at a fixed batch
-bucket, one CUDA graph per bucket; elsewhere prefill uses SDPA and decode keeps the running rows' K/V
-contiguous between steps (on CPU against transposed weight copies). Sampling: greedy at temperature 0, else
-temperature, top-k, top-p and a float64 inverse CDF fed by each sequence's own seeded generator, with
-each token's log-prob (optionally its temperature-1 log-prob). The random stream of a sequence does not
-depend on batching, preemption or tool timing; the logits do in their last bits: on CPU in fp32 the
-tests see the same tokens and log-probs within 1e-5 either way; on CUDA in bf16 batch-shape dependent
-kernels make tokens differ. The step's tokens are read to the host once (by design; not profiled on a GPU).
+flash-attn on CUDA, attention reads the paged pools and a decode step runs at a fixed batch bucket, one
+CUDA graph per bucket; elsewhere prefill uses SDPA and decode keeps the running rows' K/V contiguous
+between steps (on CPU against transposed weight copies). Sampling: greedy at temperature 0, else
+temperature, top-k, top-p and a float64 inverse CDF fed by each sequence's own seeded generator, whose
+stream does not depend on batching, preemption or tool timing; the logits do in their last bits (CPU fp32:
+the same tokens, log-probs within 1e-5; CUDA bf16: tokens may differ with the batch shape).
 
-`rollout(model, tokenizer, problems, RolloutConfig(n=16))`, as rl.py and evaluate.py call it: the prompt
-is [system] + user rendered with tools=[TOOL_SCHEMA]. A turn that ends with the template's end-of-turn
-token and holds `<tool_call>...</tool_call>` blocks (found as verl's Hermes parser finds them, so calls
-inside <think> run too) sends its first max_parallel_calls calls to the sandbox as Futures while the
-other trajectories keep decoding. The reply (mask 0) is what the chat template renders, the tool output
-plain text: no string in it becomes an added token, special or not. Token in, token out. A turn ended by
-another end id (<|endoftext|>) ends the trajectory ("eos"). REPL: scripts/chat.py; bench: scripts/bench_rollout.py.
+`rollout(model, tokenizer, problems, RolloutConfig(n=16))`: the prompt is [system] + user rendered with
+tools=[TOOL_SCHEMA]. A turn that ends with the end-of-turn token and holds `<tool_call>` blocks (found as
+verl's Hermes parser finds them, inside <think> too) sends its first max_parallel_calls calls to the
+sandbox as Futures while the other trajectories keep decoding. The reply (mask 0) is the template's
+rendering with the tool output as plain text: no string in it becomes an added token. Token in, token
+out. A turn ended by another end id (<|endoftext|>) ends the trajectory ("eos").
 
 Departures from the paper (vLLM inside verl's agent loop): plain PyTorch, no cache of freed prefix
-blocks; a malformed call (bad JSON, unknown tool, no code, unclosed) gets a short error
-reply (status bad_call) where verl drops it; a reply that would cross the response budget is cut there.
+blocks; a malformed call gets a short error reply (status bad_call) where verl drops it; a reply that
+would cross the response budget is cut there.
 """
 
 import concurrent.futures
@@ -98,8 +95,7 @@ class Sequence:
         self.token_ids, self.num_prompt, self.params = list(prompt_ids), len(prompt_ids), params
         self.mask, self.logprobs, self.raw_logprobs = [], [], []   # per response token
         self.num_cached, self.block_table = 0, []   # leading tokens whose K/V is cached; their block ids
-        self.finish_reason, self.uniforms = None, []
-        self.generator = torch.Generator().manual_seed(seed)
+        self.finish_reason, self.uniforms, self.generator = None, [], torch.Generator().manual_seed(seed)
 
     def __len__(self):
         return len(self.token_ids)
@@ -121,10 +117,9 @@ class Sequence:
 
 
 class BlockManager:
-    """Hands out the cache blocks and counts their holders. A full block is registered under (previous
-    block id, its tokens): the previous block stands for the whole prefix, so the key is exact. A fresh
-    sequence whose first blocks are registered takes them instead of recomputing. The block holding a
-    sequence's last token is never shared: that token is recomputed for its logits."""
+    """Hands out cache blocks and counts their holders. A full block is registered under (previous block id,
+    its tokens), exact since the previous block stands for the whole prefix; a fresh sequence takes its registered
+    first blocks instead of recomputing them. The block of a sequence's last token is never shared (its logits)."""
 
     def __init__(self, num_blocks, block_size, share_prefix=True):
         self.block_size, self.share_prefix = block_size, share_prefix
@@ -156,8 +151,7 @@ class BlockManager:
         while len(seq.block_table) * self.block_size < len(seq):
             seq.block_table.append(self.free.popleft())
             self.refcount[seq.block_table[-1]] = 1
-        # Blocks this step fills are shareable at once: within a layer every new K/V is written before
-        # anything is read, so a sibling prefilled in the same step sees them.
+        # shareable at once: a layer writes all new K/V before it reads any, so a sibling in this step sees them
         for i in range(full_before, len(seq) // self.block_size if self.share_prefix else 0):
             key, block = self._key(seq, i, seq.block_table[i - 1] if i else -1), seq.block_table[i]
             if key not in self.block_of and block not in self.key_of:
@@ -191,9 +185,8 @@ def cuda_graph(fn, pool):
 
 
 class PagedKVCache:
-    """Per-layer K/V pools [2, blocks + 1, block_size, kv_heads, head_dim] (K then V, each in flash-attn's paged
-    layout; the last block is a spare that padded rows write to) and the layout of the current step; `attend` is
-    model.py's seam."""
+    """Per-layer K/V pools [2, blocks + 1, block_size, kv_heads, head_dim] (K then V in flash-attn's paged layout,
+    the last block a spare that padded rows write to) and the current step's layout; `attend` is model.py's seam."""
 
     row_headroom = 128  # free positions past the longest row when the decode row buffers are laid out
 
@@ -207,11 +200,10 @@ class PagedKVCache:
         self.row_kv = [torch.zeros(2, 0, 0, 0, 0)]
 
     def decode_order(self, batch):
-        """The decode batch, longest first. While the same sequences keep decoding, each step writes one
-        token per row into contiguous row buffers [2, rows, Hkv, capacity, D] instead of gathering every
-        block again (the bench in scripts/ measures both); when the set changes or a row outgrows them,
-        they are laid out again and refilled from the pool once. Rows are padded to the longest, so past
-        row_budget tokens decode gathers each group's blocks every step instead."""
+        """The decode batch, longest first. While the same sequences keep decoding, each step writes one token per
+        row into contiguous row buffers [2, rows, Hkv, capacity, D] instead of gathering every block again; a new
+        set or a row that outgrows them lays them out again, refilled from the pool once. Rows are padded to the
+        longest: past row_budget tokens, decode gathers each group's blocks every step instead."""
         if self.use_flash:
             return batch
         if {id(s): s.num_cached for s in batch} == self.row_cached and max(map(len, batch)) <= self.row_kv[0].shape[3]:
@@ -246,10 +238,10 @@ class PagedKVCache:
         self.context_lens = upload(self.k_lens, dev, torch.int32)
         self.pool_index = upload([(s, s + self.v_offset) for s in slots], dev, torch.long)  # K and V slot of each token
         self.last_index = upload([c - 1 for c in self.cu_q[1:]], dev, torch.long)  # each sequence's last token
-        if self.use_flash and not decode:
+        if self.use_flash:  # a prefill: begin_bucketed lays out flash decode steps
             self.cu_q_t = upload(self.cu_q, dev, torch.int32)
             self.cu_k_t = upload(list(itertools.accumulate(self.k_lens, initial=0)), dev, torch.int32)
-        if decode and not self.use_flash:
+        elif decode:
             self.groups = self._length_groups()
             if self.rows and self.stale:  # copy every row's cached K/V out of the pool, head-major
                 for layer, rows in enumerate(self.row_kv):
@@ -302,8 +294,12 @@ class PagedKVCache:
         q, kv = q.reshape(B * T, Hq, D), torch.stack([k.reshape(B * T, -1, D), v.reshape(B * T, -1, D)], 1)
         pool = self.kv[layer]
         pool.view(-1, *kv.shape[2:]).index_copy_(0, self.pool_index.flatten(), kv.flatten(0, 1))  # K and V at once
-        if self.use_flash:
-            out = self._attend_flash(q, pool)
+        if self.use_flash and self.decode:  # flash-attn reads the paged pools (block size a multiple of 256)
+            out = flash_attn_with_kvcache(q[:, None], pool[0], pool[1], cache_seqlens=self.context_lens,
+                                          block_table=self.block_tables, causal=True)[:, 0]
+        elif self.use_flash:
+            out = flash_attn_varlen_func(q, pool[0], pool[1], self.cu_q_t, self.cu_k_t, max(self.q_lens),
+                                         max(self.k_lens), causal=True, block_table=self.block_tables)
         else:
             out = self._attend_decode(layer, q, kv) if self.decode else self._attend_prefill(layer, q, kv)
         return out.reshape(B, T, Hq, D)
@@ -315,8 +311,7 @@ class PagedKVCache:
             self.scratch = pool.new_empty((2, max(n, 64), *pool.shape[2:]))
         return torch.index_select(pool, 1, blocks, out=self.scratch[:, :n])
 
-    def _attend_decode(self, layer, q, kv):
-        # one query per row, attended per group of similar lengths
+    def _attend_decode(self, layer, q, kv):  # one query per row, attended per group of similar lengths
         (_, Hq, D), hkv = q.shape, kv.shape[2]
         if self.use_rows:
             rows = self.row_kv[layer]
@@ -333,8 +328,7 @@ class PagedKVCache:
             outs.append(out.reshape(n, Hq, D))
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
-    def _attend_prefill(self, layer, q, kv):
-        # one causal attention per sequence; one with cached tokens reads them from its blocks
+    def _attend_prefill(self, layer, q, kv):  # one causal attention per sequence, its cached tokens from its blocks
         outs = []
         for i, (q_len, k_len) in enumerate(zip(self.q_lens, self.k_lens)):
             s, e = self.cu_q[i], self.cu_q[i + 1]
@@ -349,20 +343,11 @@ class PagedKVCache:
             outs.append(out[0].transpose(0, 1))
         return torch.cat(outs)
 
-    def _attend_flash(self, q, pool):
-        # flash-attn reads the paged pools through the block table (block size a multiple of 256)
-        if self.decode:
-            return flash_attn_with_kvcache(q[:, None], pool[0], pool[1], cache_seqlens=self.context_lens,
-                                           block_table=self.block_tables, causal=True)[:, 0]
-        return flash_attn_varlen_func(q, pool[0], pool[1], self.cu_q_t, self.cu_k_t, max(self.q_lens),
-                                      max(self.k_lens), causal=True, block_table=self.block_tables)
-
 
 def sample(logits, temperature, top_p, top_k, uniform):
-    """One token per row by inverse CDF. logits [S, V] fp32 on any device; temperature, top_p, uniform [S]
-    float and top_k [S] long (0: off) on the host. Returns (tokens [S], log-probs [S]), the log-prob under
-    the distribution drawn from: softmax(logits / T) cut to the top-k, then to the top-p nucleus of that,
-    renormalised. Rows at temperature 0 take the argmax and its T=1 log-prob."""
+    """One token per row by inverse CDF. logits [S, V] fp32 on any device; temperature, top_p, uniform [S] float
+    and top_k [S] long (0: off) on the host. Returns (tokens [S], log-probs [S]) under the distribution drawn from:
+    softmax(logits / T) cut to the top-k, then to its top-p nucleus, renormalised; temperature 0 rows: the argmax."""
     any_greedy, truncate = bool((temperature == 0).any()), bool(((top_p < 1) | (top_k > 0)).any())  # host: no sync
     temperature, top_p, top_k, uniform = (upload(x, logits.device) for x in (temperature, top_p, top_k, uniform))
     greedy = temperature == 0
@@ -391,14 +376,12 @@ def sample(logits, temperature, top_p, top_k, uniform):
 
 
 class Engine:
-    """Continuous batching over a paged KV cache. `add` queues a sequence; `step` runs one prefill or decode
-    step and returns the sequences that stopped in it (a stop token or the token budget). A stopped
-    sequence keeps its blocks until the caller `release`s it or `resume`s it with forced tokens (a tool
-    reply); under memory pressure a held sequence may lose its blocks and is recomputed on resume."""
+    """Continuous batching over a paged KV cache. Sequences queue on `waiting`; `step` runs one prefill or decode
+    step and returns the sequences that stopped in it (a stop token or the budget). A stopped one keeps its blocks
+    until it is `release`d or `resume`d with forced tokens (a tool reply); under memory pressure it may lose them."""
 
     def __init__(self, model, max_num_seqs=256, max_prefill_tokens=8192, num_blocks=None, block_size=None,
-                 max_seq_lens=None, kv_memory_fraction=0.7, kv_cache_bytes=4 << 30, share_prefix=True,
-                 raw_logprobs=False, compile=False):
+                 max_seq_lens=None, kv_memory_fraction=0.7, kv_cache_bytes=4 << 30, share_prefix=True, compile=False):
         self.model, cfg, param = model, model.config, next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         backend = getattr(model, "attn_backend", "auto")  # model.py's switch: "auto" | "sdpa" | "flash"
@@ -407,21 +390,20 @@ class Engine:
         if self.use_flash and flash_attn_with_kvcache is None:
             raise RuntimeError("attn_backend='flash' but flash_attn is not installed")
         block_size = block_size or (256 if self.use_flash else 16)
-        if num_blocks is None:  # a memory budget, halved without flash-attn: the row buffers may take as much
+        auto = num_blocks is None
+        if auto:  # a memory budget, halved without flash-attn: the row buffers may take as much
             per_block = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * param.element_size() * block_size
             cuda = self.device.type == "cuda"
             budget = int(torch.cuda.mem_get_info(self.device)[0] * kv_memory_fraction) if cuda else kv_cache_bytes
             num_blocks = max(1, budget // per_block // (1 if self.use_flash else 2))
-            row_budget = num_blocks * block_size
-            if max_seq_lens is not None:  # no more than the workload could ever hold
-                num_blocks = min(num_blocks, sum(-(-n // block_size) for n in max_seq_lens))
-        else:
-            row_budget = num_blocks * block_size
+        row_budget = num_blocks * block_size
+        if auto and max_seq_lens is not None:  # no more than the workload could ever hold
+            num_blocks = min(num_blocks, sum(-(-n // block_size) for n in max_seq_lens))
         longest = max(max_seq_lens) if max_seq_lens else cfg.max_position_embeddings
         self.max_blocks = min(num_blocks, -(-longest // block_size))  # block-table width of a bucketed step
         self.num_blocks, self.blocks = num_blocks, BlockManager(num_blocks, block_size, share_prefix)
         self.cache = PagedKVCache(cfg, num_blocks, block_size, self.device, self.dtype, self.use_flash, row_budget)
-        self.max_num_seqs, self.max_prefill_tokens, self.raw_logprobs = max_num_seqs, max_prefill_tokens, raw_logprobs
+        self.max_num_seqs, self.max_prefill_tokens, self.raw_logprobs = max_num_seqs, max_prefill_tokens, False
         self.waiting, self.running, self.held = deque(), deque(), []
         self.weights_t = {}  # CPU: [in, out] weight copies (model.Linear), remade when a weight changes
         # compile: CPU decode steps of one length group through torch.compile (needs a C++ compiler; each new
@@ -529,12 +511,11 @@ class Engine:
         for seq in batch:
             seq.num_cached = len(seq)
         self.running.extend([] if decode else batch)
-        stopped = []
         for seq, (token, logp, *raw) in zip(batch, self._sample(batch, logits)):
             seq.append([int(token)], True, logp, raw[0] if raw else None)
-            if int(token) in seq.params.stop_token_ids or seq.num_response >= seq.params.max_tokens:
-                seq.finish_reason = "stop" if int(token) in seq.params.stop_token_ids else "length"
-                stopped.append(seq)
+            seq.finish_reason = ("stop" if int(token) in seq.params.stop_token_ids else
+                                 "length" if seq.num_response >= seq.params.max_tokens else None)
+        stopped = [seq for seq in batch if seq.finish_reason]
         if stopped:
             self.running = deque(s for s in self.running if s.finish_reason is None)
             self.held += stopped
@@ -596,11 +577,10 @@ def generate(model, prompts, max_new_tokens, temperature=0.0, top_p=1.0, stop_to
 
 
 class ChatFormat:
-    """Token ids of the chat protocol, from the tokenizer's chat template and generation config. Forced
-    turns (tool replies; user turns in the REPL) come from a rendering with placeholder contents cut at
-    the placeholders, so no format string is written here. The template text is split at added tokens;
-    the plain text between them, message contents included, goes through the tokenizer's model alone
-    (`plain_ids`), so no string in a message becomes an added token."""
+    """Token ids of the chat protocol, from the tokenizer's chat template and generation config. Forced turns
+    (tool replies; user turns in the REPL) are a rendering with placeholder contents, cut at the placeholders: no
+    format string is written here. The template text is split at added tokens; the plain text between them,
+    message contents included, goes through the tokenizer's model alone (`plain_ids`): none becomes an added token."""
 
     ASSISTANT, CONTENT = "ASSISTANT_PLACEHOLDER_5f1c", "CONTENT_PLACEHOLDER_{}_9d2e"
 
@@ -637,8 +617,8 @@ class ChatFormat:
         return [t.id for word, _ in words for t in backend.model.tokenize(word)]
 
     def pieces(self, role, n):
-        """The template text around n `role` messages that follow an assistant turn, from just after its
-        end-of-turn token to the next generation prompt: n + 1 strings."""
+        """The n + 1 template strings around n `role` messages after an assistant's end-of-turn token, up to the
+        next generation prompt."""
         if (role, n) not in self._pieces:
             slots = [self.CONTENT.format(i) for i in range(n)]
             messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": self.ASSISTANT}]
@@ -650,8 +630,7 @@ class ChatFormat:
         return self._pieces[(role, n)]
 
     def forced_ids(self, role, contents):
-        """Ids that follow an assistant's end-of-turn token: `role` messages with these contents, then the
-        generation prompt."""
+        """Ids after an assistant's end-of-turn token: `role` messages with these contents, then the next prompt."""
         atoms = []  # (text, is_added_token)
         for piece, content in itertools.zip_longest(self.pieces(role, len(contents)), contents):
             atoms += [(part, j % 2 == 1) for j, part in enumerate(self._added_re.split(piece)) if part]
@@ -667,11 +646,10 @@ TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)  # as verl
 
 
 def parse_tool_calls(text, tool_name, max_calls=1):
-    """The calls of one assistant turn, in order: a list of (code, error), exactly one of them None.
-    A block that is not a JSON object with a "name" is a parse error in verl: it does not count towards
-    max_calls. Of the calls that parse, the first max_calls are kept, the others dropped (verl's
-    max_parallel_calls). Parse errors, a wrong tool, missing code, and a <tool_call> still open after the
-    last block become error texts (verl drops them)."""
+    """The calls of one assistant turn, in order: a list of (code, error), exactly one of them None. A block that
+    is not a JSON object with a "name" is a parse error (verl's), not counted towards max_calls; of the calls that
+    parse, the first max_calls are kept (verl's max_parallel_calls). Parse errors, a wrong tool, missing code and a
+    <tool_call> still open after the last block become error texts (verl drops them)."""
     calls, parsed, end = [], 0, 0
     for match in TOOL_CALL_RE.finditer(text):
         end = match.end()

@@ -5,25 +5,16 @@ forks one child per run on request. The child gets its job and stdin, stdout and
 pipes straight from the pool (which does all I/O, deadlines and verdicts), confines itself,
 then exec()s the code: no job data ever enters the zygote that later children copy.
 API: run, run_many, submit (a Future), capabilities() on a default pool or a `Sandbox`; the
-code tool (TOOL_SCHEMA, prepare_code, format_tool_output). Code problems' tests run through it
-from evaluate.run_tests (the graders' rules; expected outputs never enter the sandbox).
-    python sandbox.py 'print(1 + 1)'   python sandbox.py --tool 'x = 6 * 7\nx'
+code tool (TOOL_SCHEMA, prepare_code, format_tool_output). evaluate.run_tests grades code with it.
+    python sandbox.py 'print(1 + 1)'   python sandbox.py --tool $'x = 6 * 7\nx'
     python sandbox.py --capabilities   python scripts/bench_sandbox.py
 
-What confines a run, applied by the child in this order. The pool fails closed: a missing
-layer stops it with a RuntimeError naming it (docs/SANDBOX.md: why each, what is not covered).
- 1. its own session and process group; stdin a read-only pipe; no other inherited descriptor
- 2. a pids cgroup: at most MAX_TASKS tasks (threads) per run (joined at fork, from the zygote)
- 3. a private mount namespace: every host mount read-only and nosuid; a fresh tmpfs of
-    disk_mb with bounded inodes is the working directory
- 4. rlimits: address space, CPU seconds, file size, open files, no core, no mqueues; the
-    environment holds nothing of the host's (the zygote was started with it)
- 5. no_new_privs, then Landlock: read the Python installation and system libraries, write the
-    working directory; no TCP; no signals or abstract sockets outside (as the ABI allows)
- 6. every capability dropped, securebits locked; a parent-death signal
- 7. seccomp BPF (x86_64, aarch64): no fork/exec, no socket(), bind, listen or connect (only
-    AF_UNIX stream socketpairs), no ptrace, mounts, namespaces, io_uring, SysV IPC, ...
-The pool SIGKILLs the run's process group at the deadline and caps stdout and stderr.
+The child confines itself in this order (_child; docs/SANDBOX.md says why each and what is not
+covered): its own session, stdin a read-only pipe, no other descriptor; a pids cgroup of MAX_TASKS;
+a private mount namespace, the host read-only, a tmpfs of disk_mb as working directory; rlimits;
+no_new_privs, then Landlock; no capabilities, a parent-death signal; seccomp BPF (no fork, exec,
+sockets, ptrace, mounts, ...). The pool fails closed: a missing layer stops it with a RuntimeError
+naming it. It SIGKILLs the run's process group at the deadline and caps stdout and stderr.
 """
 from __future__ import annotations
 
@@ -35,6 +26,7 @@ import concurrent.futures
 import contextlib
 import gc
 import io
+import itertools
 import json
 import linecache
 import math
@@ -161,12 +153,6 @@ _THREAD_VARS = {name: "1" for name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS"
                                        "NUMEXPR_NUM_THREADS", "VECLIB_MAXIMUM_THREADS", "BLIS_NUM_THREADS")}
 _KEEP_ALIVE = []                   # the zygote's stdio and __main__: never finalized in a child
 _SETUP_FAILED = 125                # exit code of a child that could not confine itself
-
-
-def _child_env(home: str) -> dict:
-    return {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": home, "TMPDIR": home, "LANG": "C.UTF-8",
-            "LC_ALL": "C.UTF-8", "TZ": "UTC", "PYTHONIOENCODING": "utf-8", "MPLBACKEND": "Agg",
-            "USER": "sandbox", **_THREAD_VARS}
 
 
 def _read_exactly(fd: int, size: int) -> bytes:
@@ -368,17 +354,17 @@ _MEMORY_HINTS = (b"out of memory", b"Cannot allocate memory", b"bad_alloc", b"ca
 
 def _verdict(job: dict, exit_info: dict, stderr_tail: bytes, base_rss: int, timed_out: bool) -> tuple:
     """(status, returncode) of a finished run."""
-    status, lines = exit_info["status"], [line for line in stderr_tail.splitlines() if line.strip()]
+    code = os.waitstatus_to_exitcode(exit_info["status"])     # -signal when a signal ended it
+    lines = [line for line in stderr_tail.splitlines() if line.strip()]
     # The exception that ended the program: MemoryError (numpy's too) or ENOMEM from a call.
     memory_error = bool(lines) and bool(_MEMORY_ERROR_LINE.match(lines[-1]) or b"[Errno 12]" in lines[-1])
     # A failing run that filled its memory failed for want of it, however that showed (3.11
     # reports a failed frame allocation as SystemError, C code may crash).
     near_limit = exit_info["maxrss"] * 1024 - base_rss >= 0.9 * job["memory_mb"] * 2 ** 20
-    if os.WIFEXITED(status):
-        code = os.WEXITSTATUS(status)
+    if code >= 0:
         return ("timeout" if timed_out else "ok" if code == 0 else "memory" if memory_error or near_limit
                 else "error"), code
-    sig = os.WTERMSIG(status)
+    sig = -code
     if timed_out or sig == signal.SIGXCPU or (sig == signal.SIGKILL and      # the CPU rlimit's kill
                                               exit_info["cpu"] >= math.ceil(job["timeout"]) + 0.95):
         return "timeout", -sig
@@ -387,17 +373,25 @@ def _verdict(job: dict, exit_info: dict, stderr_tail: bytes, base_rss: int, time
     return ("memory" if hinted or (near_limit and crashed) else "killed"), -sig
 
 
+def _job(code, timeout=10.0, memory_mb=1024, stdin="", output_limit=DEFAULT_OUTPUT_LIMIT,
+         disk_mb=DEFAULT_DISK_MB) -> dict:
+    if not isinstance(code, str):
+        raise TypeError("code must be a str")
+    job = {"code": code, "stdin": stdin or "", "timeout": float(timeout), "memory_mb": int(memory_mb),
+           "output_limit": int(output_limit), "disk_mb": float(disk_mb)}
+    if job["timeout"] <= 0 or job["memory_mb"] <= 0 or job["disk_mb"] * 2 ** 20 < 4096:
+        raise ValueError("timeout and memory_mb must be positive, disk_mb at least 4 KiB")   # tmpfs size=0: no limit
+    return job
+
+
 def _receive(sock: socket.socket, timeout: float) -> dict | None:
-    """A worker's next message; {} when none came in time; None when the worker is gone."""
+    """A worker's next message; None when the worker is gone or said nothing in time."""
     poller = select.poll()             # not select(): the owner may hold over 1024 descriptors
     poller.register(sock, select.POLLIN)
-    try:
-        if not poller.poll(timeout * 1000):
-            return {}
-        data = sock.recv(65536)
-    except OSError:
-        data = b""
-    return json.loads(data) if data else None
+    with contextlib.suppress(OSError):
+        if poller.poll(timeout * 1000) and (data := sock.recv(65536)):
+            return json.loads(data)
+    return None
 
 
 class Sandbox:
@@ -405,19 +399,16 @@ class Sandbox:
     worker feeding and watching it. Thread-safe; use one per process (the module-level
     functions share a default one). Futures resolve on pool threads: callbacks must not block."""
 
-    def __init__(self, workers: int | None = None, preimport=PREIMPORT, output_limit: int = DEFAULT_OUTPUT_LIMIT,
-                 disk_mb: float = DEFAULT_DISK_MB, max_tasks: int = MAX_TASKS, grace: float = GRACE):
+    def __init__(self, workers: int | None = None, preimport=PREIMPORT):
         if missing := missing_layer():
             raise RuntimeError(f"sandbox: refusing to start without {missing}")
-        self.num_workers = max(1, int(workers or available_cores()))
-        self.preimport, self.output_limit, self.disk_mb = list(preimport), int(output_limit), disk_mb
-        self.max_tasks, self.grace = int(max_tasks), grace
+        self.num_workers, self.preimport = max(1, int(workers or available_cores())), list(preimport)
         self.root = tempfile.mkdtemp(prefix="sandbox-")
         self._cgroup_dir, self._cgroup_version = pids_cgroup()
         self._queue = queue.SimpleQueue()          # (job, future)
         self._lock, self._ready = threading.Lock(), threading.Event()   # ready: a probe passed, or failure
         self._probe = self._broken = None          # (hello, checks) of the first worker; why it failed
-        self._closed, self._generation = False, 0
+        self._closed, self._generation = False, itertools.count(1)
         self._workers = [None] * self.num_workers
         self._threads = [threading.Thread(target=self._serve, args=(i,), name=f"sandbox-{i}", daemon=True)
                          for i in range(self.num_workers)]
@@ -467,12 +458,12 @@ class Sandbox:
             hello = _receive(worker.sock, 120.0)
             if hello and hello["threads"] > 1:
                 return self._fail(f"sandbox: a worker has {hello['threads']} threads after its imports")
-            probe = hello and self._run_on(worker, self._job(_PROBE.format(host_file=_THIS_FILE)))
+            probe = hello and self._run_on(worker, _job(_PROBE.format(host_file=_THIS_FILE)))
             if not probe:
                 continue               # the worker died or said nothing: try a new one
             try:
                 checks = json.loads(probe.stdout)
-                failed = [k for k, v in checks.items() if v is False] + ["tasks"] * (checks["tasks"] > self.max_tasks)
+                failed = [k for k, v in checks.items() if v is False] + ["tasks"] * (checks["tasks"] > MAX_TASKS)
             except (ValueError, KeyError):
                 failed = [probe.stderr.strip()[-300:] or probe.status]
             if failed:
@@ -484,27 +475,26 @@ class Sandbox:
         self._fail("sandbox: workers keep dying at start-up")
 
     def _spawn(self, index: int) -> types.SimpleNamespace:
-        with self._lock:
-            self._generation += 1
-            name = f"worker{index}-{self._generation}"
+        name = f"worker{index}-{next(self._generation)}"
         directory, cgroup = os.path.join(self.root, name), f"{self._cgroup_dir}/{os.path.basename(self.root)}-{name}"
         os.mkdir(directory, 0o700)
         os.mkdir(cgroup)
         with open(cgroup + "/pids.max", "w") as f:
-            f.write(str(self.max_tasks + 1))       # the idle zygote is the cgroup's one other task
+            f.write(str(MAX_TASKS + 1))       # the idle zygote is the cgroup's one other task
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         config = {"fd": theirs.fileno(), "dir": directory, "cgroup": cgroup, "preimport": self.preimport}
         # The worker's environment is its runs' (nothing of ours), plus a cap on glibc
         # malloc arenas, whose 64 MiB reservations per thread eat the address-space limit.
-        env = dict(_child_env(directory), MALLOC_ARENA_MAX="2")
+        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": directory, "TMPDIR": directory, "LANG": "C.UTF-8",
+               "LC_ALL": "C.UTF-8", "TZ": "UTC", "PYTHONIOENCODING": "utf-8", "MPLBACKEND": "Agg",
+               "USER": "sandbox", **_THREAD_VARS, "MALLOC_ARENA_MAX": "2"}
         if os.environ.get("LD_LIBRARY_PATH"):      # some Python builds need it to start
             env["LD_LIBRARY_PATH"] = os.environ["LD_LIBRARY_PATH"]
         proc = subprocess.Popen([sys.executable, "-I", _THIS_FILE, "--worker", json.dumps(config)],
                                 pass_fds=[theirs.fileno()], env=env, cwd=directory, stdin=subprocess.DEVNULL,
                                 stdout=subprocess.DEVNULL, start_new_session=True)
         theirs.close()
-        return types.SimpleNamespace(proc=proc, pid=proc.pid, sock=ours, dir=directory, cgroup=cgroup,
-                                     ready=False, dead=False)
+        return types.SimpleNamespace(proc=proc, sock=ours, dir=directory, cgroup=cgroup, ready=False, dead=False)
 
     def _retire(self, worker) -> None:
         worker.dead = True
@@ -536,7 +526,7 @@ class Sandbox:
         for fd in (out_r, err_r, worker.sock.fileno()):
             poller.register(fd, select.POLLIN)
         start = pid = ended = None
-        deadline, timed_out, base_rss = time.monotonic() + self.grace, False, 0
+        deadline, timed_out, base_rss = time.monotonic() + GRACE, False, 0
         try:
             while True:
                 for fd, _ in poller.poll(max(0.0, deadline - time.monotonic()) * 1000):
@@ -561,10 +551,10 @@ class Sandbox:
                         why = "the pool was closed" if self._closed else "the worker process died"
                         return Result("killed", out.text(), err.text() + f"sandbox: {why} during this run\n",
                                       -signal.SIGKILL, round(time.monotonic() - start, 6))
-                    elif message.get("op") == "forked":
+                    elif message["op"] == "forked":
                         pid, base_rss, start = message["pid"], message["rss"], time.monotonic()
                         deadline = start + job["timeout"]
-                    elif message.get("op") == "exit":
+                    elif message["op"] == "exit":
                         for fd in reads:       # the child is reaped: read its pipes to the end
                             while data := os.read(fd, 1 << 16):
                                 reads[fd].add(data)
@@ -576,7 +566,7 @@ class Sandbox:
                     worker.proc.kill()
                     deadline = now + 1.0
                 elif now >= deadline:                               # the deadline: SIGKILL the run's group
-                    timed_out, ended, deadline = True, now, now + self.grace
+                    timed_out, ended, deadline = True, now, now + GRACE
                     with contextlib.suppress(OSError):
                         worker.sock.send(json.dumps({"op": "kill", "pid": pid}).encode())
         finally:
@@ -599,22 +589,12 @@ class Sandbox:
             if future.set_running_or_notify_cancel():
                 future.set_exception(RuntimeError(self._broken))
 
-    def _job(self, code, timeout=10.0, memory_mb=1024, stdin="", output_limit=None, disk_mb=None) -> dict:
-        if not isinstance(code, str):
-            raise TypeError("code must be a str")
-        job = {"code": code, "stdin": stdin or "", "timeout": float(timeout), "memory_mb": int(memory_mb),
-               "output_limit": int(output_limit or self.output_limit),
-               "disk_mb": float(disk_mb if disk_mb is not None else self.disk_mb)}
-        if job["timeout"] <= 0 or job["memory_mb"] <= 0 or job["disk_mb"] * 2 ** 20 < 4096:
-            raise ValueError("timeout and memory_mb must be positive, disk_mb at least 4 KiB")   # tmpfs size=0: no limit
-        return job
-
     # -- public API -------------------------------------------------------------------------
 
     def submit(self, code: str, timeout: float = 10.0, memory_mb: int = 1024, stdin: str = "",
-               output_limit: int | None = None, disk_mb: float | None = None) -> concurrent.futures.Future:
+               output_limit: int = DEFAULT_OUTPUT_LIMIT, disk_mb: float = DEFAULT_DISK_MB) -> concurrent.futures.Future:
         """Queue one run; the Future resolves to its Result."""
-        job, future = self._job(code, timeout, memory_mb, stdin, output_limit, disk_mb), concurrent.futures.Future()
+        job, future = _job(code, timeout, memory_mb, stdin, output_limit, disk_mb), concurrent.futures.Future()
         with self._lock:
             if self._closed or self._broken:
                 raise RuntimeError(self._broken or "sandbox is closed")
@@ -638,20 +618,19 @@ class Sandbox:
         if self._probe is None:
             raise RuntimeError(self._broken or "no sandbox worker became ready")
         (hello, checks), abi = self._probe, landlock_abi()
-        verified = {k: v for k, v in checks.items() if isinstance(v, bool)}
         return {"kernel": platform.release(), "arch": ARCH, "python": platform.python_version(),
                 "workers": self.num_workers, "preimported": [m for m in hello["preimported"] if "." not in m],
                 "worker_threads": hello["threads"], "process_group": True, "subreaper": True,
-                "tasks": {"mechanism": f"pids cgroup {self._cgroup_version}", "max": self.max_tasks,
+                "tasks": {"mechanism": f"pids cgroup {self._cgroup_version}", "max": MAX_TASKS,
                           "measured": checks["tasks"]},
                 "namespace": "mount", "disk_quota": f"tmpfs {checks['workdir_bytes'] / 2 ** 20:g} MiB",
                 "rlimits": checks["rlimits"], "landlock_abi": abi,
                 "landlock": {"filesystem": True, "tcp": abi >= 4, "signals_and_abstract_sockets": abi >= 6},
                 "privileges": f"no capabilities (uid {os.geteuid()})", "seccomp": f"bpf filter ({ARCH})",
-                "verified": verified}
+                "verified": {k: v for k, v in checks.items() if isinstance(v, bool)}}
 
     def worker_pids(self) -> list:
-        return [w.pid for w in self._workers if w is not None and not w.dead]
+        return [w.proc.pid for w in self._workers if w is not None and not w.dead]
 
     def close(self) -> None:
         with self._lock:

@@ -135,7 +135,7 @@ def render(tokenizer, messages, tools=None, where="record"):
                                              add_generation_prompt=generation_prompt)
 
     full, eot = text(len(messages)), end_of_turn(tokenizer)
-    cuts, spans = {0, len(full)}, set()
+    spans = set()
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
@@ -150,10 +150,9 @@ def render(tokenizer, messages, tools=None, where="record"):
         end = full.find(eot, len(prefix))
         if end < 0:
             raise DataError(f"{where}: messages[{i}]: the assistant turn is not closed by {eot!r}")
-        cuts.update((len(prefix), end + len(eot)))
         spans.add((len(prefix), end + len(eot)))
     ids, mask = [], []
-    cuts = sorted(cuts)
+    cuts = sorted({0, len(full)}.union(*spans))
     for a, b in zip(cuts[:-1], cuts[1:]):
         piece = tokenizer.encode(full[a:b], add_special_tokens=False)
         ids += piece
@@ -245,11 +244,6 @@ def lr_lambda(cfg, total_steps):
     warmup = int(cfg.warmup_ratio * total_steps)
     return lambda step: (step + 1) / warmup if step < warmup else \
         0.5 * (1.0 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total_steps - warmup))))
-
-
-def clip_grads(model, max_norm):
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm if max_norm > 0 else float("inf"))
-    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # a DTensor under FSDP2
 
 
 def evaluate_loss(model, seqs, rank, world, budget, device):
@@ -375,7 +369,8 @@ def _train(cfg, rank, world, device, sharded):
             # FSDP averages gradients over ranks; scaling by world makes them a sum over ranks
             (nll * (world / loss_tokens)).backward()
             nll_sum += nll.detach().double()
-        grad_norm = clip_grads(model, cfg.grad_clip)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
+        grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # a DTensor under FSDP2
         lr = scheduler.get_last_lr()[0]
         optimizer.step()
         scheduler.step()

@@ -9,12 +9,10 @@
 --source: a hub dataset id (huggingface_hub, optional) or a local directory or file of .parquet
 (pyarrow, optional), .jsonl or .json rows. Eval also reads raw GPQA (options shuffled with a seed
 fixed by the question) and raw livecodebench/code_generation_lite rows (private tests: base64 of
-zlib of a pickle, read by an unpickler that builds plain data only) dated in the paper's v6
-window, 2025-02-01 .. 2025-05-31 inclusive. Prompts are upstream's (data/prompts.py); a 30K
-row's system turn stays a system message. A malformed row stops the run with one line: file,
-row number (from 1), field and what is wrong.
-Departure: each 30K row gets the prompt of its own data_source; upstream picks one map
-function per parquet file, by the data_source of the file's first row.
+zlib of a pickle, unpickled as plain data only) dated in the paper's v6 window, 2025-02-01 ..
+2025-05-31 inclusive. Prompts are upstream's (data/prompts.py). A malformed row stops the run with
+one line: file, row number (from 1), field and what is wrong. Departure: each 30K row gets the
+prompt of its own data_source; upstream picks one per parquet file, by the file's first row.
 """
 
 import argparse

@@ -1,16 +1,13 @@
 """The prompt texts DemyAgent-4B and Qwen3-4B-RA-SFT were trained and evaluated with.
 
-Every string is upstream's, character for character (typos such as "sumbit" and the stray
-quote after "# YOUR CODE HERE" included): they are data the checkpoints saw. Source:
-Gen-Verse/Open-AgentRL, recipe/demystify/reward.py (module constants and the map functions of
-CustomRLHFDataset), read from the public copy Tianshi-Xu/Open-AgentRL at commit 627a2844; the
-same text stands in Blackteaxx/DemyAgent, jianghoucheng/Agent_On_Policy_Distillation and
-wencanning/test-opd. Another commit of Tianshi-Xu's fork (1f781221) has other MATH_1, MATH_2
-and AGENT texts in another order; no other copy has them, so they are taken as that fork's
-own experiment, not what the released checkpoints saw.
-
-Each builder names the map function it follows. rollout.py renders the text as the user turn;
-a row's system turn stays a system turn.
+Every string is upstream's, character for character (typos such as "sumbit" and the stray quote
+after "# YOUR CODE HERE" included): they are data the checkpoints saw. Source: Gen-Verse/Open-AgentRL,
+recipe/demystify/reward.py (module constants, CustomRLHFDataset's map functions), read from the
+public copy Tianshi-Xu/Open-AgentRL at commit 627a2844; the same text stands in Blackteaxx/DemyAgent,
+jianghoucheng/Agent_On_Policy_Distillation and wencanning/test-opd. That fork's commit 1f781221 has
+other MATH_1, MATH_2 and AGENT texts, in no other copy: taken as its own experiment. Each builder
+names its map function. rollout.py renders the text as the user turn; a row's system turn stays
+a system turn.
 """
 
 ANSWER_FORMAT = "\nRemember once you make sure the current answer is your final answer, do not call the tools again and directly output the final answer in the following text format, the answer format must be: \\boxed{'The final answer goes here.'}."  # answer_format

@@ -1,13 +1,11 @@
 """data/tiny.py: a genuine Hugging Face checkpoint built offline, for the tests and the CPU demo.
 
-`build_tiny_checkpoint(dir)` writes config.json + model.safetensors (random tiny Qwen3 weights)
-and a tokenizer that `transformers.AutoTokenizer` loads: byte-level BPE trained here on a small
-built-in corpus, Qwen's special tokens (`<|endoftext|>`, `<|im_start|>`, `<|im_end|>`), the
-tool-call markers as single added tokens (as in Qwen's vocabulary), digits one by one (as Qwen's
-tokenizer), and a chat template that renders the Qwen3 tool-use layout:
-tool system block, `<tool_call>` JSON on assistant turns, tool replies as `<tool_response>`
-inside a user turn, and the generation prompt. Real Qwen checkpoints go through the same code
-paths; nothing here is special-cased downstream.
+`build_tiny_checkpoint(dir)` writes config.json + model.safetensors (random tiny Qwen3 weights) and a tokenizer
+that `transformers.AutoTokenizer` loads: byte-level BPE trained here on a small built-in corpus, Qwen's special
+tokens, the tool-call markers as single added tokens and digits one by one (both as in Qwen's vocabulary), and a
+chat template that renders the Qwen3 tool-use layout (tool system block, `<tool_call>` JSON on assistant turns,
+tool replies as `<tool_response>` inside a user turn, the generation prompt). Real Qwen checkpoints go through
+the same code paths; nothing here is special-cased downstream.
 
     python -m data.tiny runs/tiny      # write the checkpoint, print what was built
 """
@@ -21,7 +19,7 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # Added, non-special tokens (Qwen has these as single ids too). Decoding keeps them.
 MARKER_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
 
-# The toy model's shape (issue 8 may override fields through build_tiny_checkpoint's kwargs).
+# The tiny model's shape; build_tiny_checkpoint's keyword arguments override fields.
 TINY_CONFIG = dict(
     model_type="qwen3", hidden_size=128, intermediate_size=384, num_hidden_layers=4,
     num_attention_heads=4, num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6,
@@ -113,7 +111,6 @@ def build_tokenizer(path, vocab_size=VOCAB_SIZE):
     fast.add_tokens(MARKER_TOKENS)  # after training, so the merges never swallow them
     fast.chat_template = CHAT_TEMPLATE
     fast.model_max_length = TINY_CONFIG["max_position_embeddings"]
-    os.makedirs(path, exist_ok=True)
     fast.save_pretrained(path)
     return fast
 

@@ -1,18 +1,13 @@
 """data/toy.py: the toy tool-use task behind the CPU demo, and every toy helper of the pipeline.
 
-The task is arithmetic a million-parameter model cannot do in its head (products of two 3-digit
-numbers, of three 2-digit numbers, sums of two squares): the reliable way to the answer is the
-paper's loop: write Python in a <tool_call>, read the <tool_response>, box the number. The SFT
-trajectories mix styles on purpose, so the SFT policy is one RL can sharpen: `tool` (35%, one
-correct call), `guess` (45%, no call, the expression restated and a wrong boxed estimate) and
-`retry` (20%, a buggy call, the real error, a fixed call). Guessing is the commonest single
-style, so even under the paper's eval top-p of 0.6 the SFT start guesses about as often as it
-calls; whether to call the tool is left for RL to learn from reward alone. Every tool reply is
-what the sandbox really printed, formatted as the rollout formats it; held-out problems are
-fixed by a hash of the problem, so no train problem can equal a held-out one.
-
-Files: runs/toy/data/{sft,train,heldout}.jsonl (ensure()), the SFT start (sft_start(): a
-`python sft.py` run's runs/toy/sft/final, else the one shipped in data/toy_sft).
+Arithmetic a million-parameter model cannot do in its head (products of two 3-digit numbers, of three 2-digit
+numbers, sums of two squares), so the way to the answer is the paper's loop: Python in a <tool_call>, read the
+<tool_response>, box the number. SFT trajectories mix styles so RL has a policy to sharpen: `tool` (35%, one
+correct call), `guess` (45%, no call, the expression restated and a wrong boxed estimate), `retry` (20%, a buggy
+call, the real error, a fixed call); guessing is the commonest, so whether to call is left for RL to learn from
+reward alone. Tool replies are what the sandbox really printed; held-out membership is a hash of the problem.
+Files: runs/toy/data/{sft,train,heldout}.jsonl (ensure()); the SFT start (sft_start(): runs/toy/sft/final of a
+`python sft.py` run, else the one shipped in data/toy_sft).
     python -m data.toy --out data/toy        # writes sft.jsonl, train.jsonl, heldout.jsonl
 """
 
@@ -33,35 +28,31 @@ EVAL = dict(n=1, temperature=1.0, top_p=0.6, **LIMITS)   # the paper's sampling,
 
 
 def make_problem(rng, kind, digits=3):
-    """One problem in the project's RL/eval format, plus the code that solves it (`code`).
-
-    Every number of a kind has a fixed width (operands `digits` digits; the answer 2 * digits
-    digits for mul, 3 * (digits - 1) for triple, 2 * digits + 1 for squares), so each copy the task
-    needs (operands from the prompt into the code, the tool's output into the box) spans the
-    same number of tokens in every problem of a kind. A model trained from scratch for minutes
-    learns such fixed-distance copies; copying across varying distances (induction) takes a
-    from-scratch model far longer than the CPU budget, and a pretrained base model has it."""
+    """One problem in the project's RL/eval format, plus the code that solves it (`code`). Every number of a
+    kind has a fixed width, so each copy the task needs (operands into the code, the tool's output into the box)
+    spans the same number of tokens in every problem of a kind: a model trained from scratch for minutes learns
+    such fixed-distance copies, while copying across varying distances (induction) takes it far longer."""
     if digits < 2:
         raise ValueError(f"digits must be at least 2, not {digits}")
     top = 10 ** digits - 1
     if kind == "mul":             # a * b with 2 * digits digits: a, b >= sqrt(10 ** (2 * digits - 1))
         lo = math.isqrt(10 ** (2 * digits - 1) - 1) + 1
         a, b = rng.randint(lo, top), rng.randint(lo, top)
-        question, expr = f"What is {a} * {b}?", f"{a} * {b}"
+        expr = f"{a} * {b}"
     elif kind == "triple":        # a * b * c of (digits - 1)-digit operands: 3 * (digits - 1) digits
         width = 3 * (digits - 1)
         lo = math.ceil(10 ** ((width - 1) / 3))
         while lo ** 3 < 10 ** (width - 1):       # float rounding of the cube root
             lo += 1
         a, b, c = (rng.randint(lo, 10 ** (digits - 1) - 1) for _ in range(3))
-        question, expr = f"What is {a} * {b} * {c}?", f"{a} * {b} * {c}"
+        expr = f"{a} * {b} * {c}"
     elif kind == "squares":       # a ** 2 + b ** 2 with 2 * digits + 1 digits
         lo = math.isqrt(10 ** (2 * digits) // 2 - 1) + 1
         a, b = rng.randint(lo, top), rng.randint(lo, top)
-        question, expr = f"What is {a}**2 + {b}**2?", f"{a}**2 + {b}**2"
+        expr = f"{a}**2 + {b}**2"
     else:
         raise ValueError(f"unknown toy kind {kind!r} (expected one of {KINDS})")
-    prompt = f"Use the code tool, then give the final answer in \\boxed{{}}. {question}"
+    prompt = f"Use the code tool, then give the final answer in \\boxed{{}}. What is {expr}?"
     return {"prompt": prompt, "answer": eval(expr), "kind": "math", "source": f"toy-{kind}",
             "code": f"print({expr})"}
 
@@ -103,13 +94,8 @@ def _guess(rng, answer):
 
 def _buggy(rng, code):
     """The same code with one realistic mistake that makes Python raise."""
-    bugs = [code.replace("print(", "pritn(", 1), code.replace("print(", "print ", 1) + ")",
-            code.replace("print(", "print(x + ", 1)]
-    return rng.choice(bugs)
-
-
-def _call(code):
-    return {"type": "function", "function": {"name": "code_interpreter", "arguments": {"code": code}}}
+    return rng.choice([code.replace("print(", "pritn(", 1), code.replace("print(", "print ", 1) + ")",
+                       code.replace("print(", "print(x + ", 1)])
 
 
 def make_sft_records(problems, seed=0, mix=(0.35, 0.45, 0.2), tool_output_chars=256):
@@ -117,9 +103,8 @@ def make_sft_records(problems, seed=0, mix=(0.35, 0.45, 0.2), tool_output_chars=
     import sandbox
     rng = random.Random(f"sft-{seed}")
     styles = rng.choices(["tool", "guess", "retry"], weights=mix, k=len(problems))
-    plans = []  # per problem: the list of codes to call, in order
-    for p, style in zip(problems, styles):
-        plans.append({"tool": [p["code"]], "guess": [], "retry": [_buggy(rng, p["code"]), p["code"]]}[style])
+    plans = [{"tool": [p["code"]], "guess": [], "retry": [_buggy(rng, p["code"]), p["code"]]}[style]  # codes to call
+             for p, style in zip(problems, styles)]
     codes = [c for plan in plans for c in plan]
     results = iter(sandbox.run_many([sandbox.prepare_code(c) for c in codes], timeout=10.0))
     records = []
@@ -128,8 +113,8 @@ def make_sft_records(problems, seed=0, mix=(0.35, 0.45, 0.2), tool_output_chars=
         reply = None
         for code in plan:
             reply = sandbox.format_tool_output(next(results), max_chars=tool_output_chars)
-            messages += [{"role": "assistant", "content": "", "tool_calls": [_call(code)]},
-                         {"role": "tool", "content": reply}]
+            call = {"type": "function", "function": {"name": "code_interpreter", "arguments": {"code": code}}}
+            messages += [{"role": "assistant", "content": "", "tool_calls": [call]}, {"role": "tool", "content": reply}]
         if style == "guess":      # restates the expression (a copy, as in the tool call), then guesses
             text = f"{p['code'][len('print('):-1]} is about \\boxed{{{_guess(rng, p['answer'])}}}."
         else:
@@ -139,13 +124,6 @@ def make_sft_records(problems, seed=0, mix=(0.35, 0.45, 0.2), tool_output_chars=
     return records
 
 
-def write_jsonl(path, rows):
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "w") as f:
-        for r in rows:
-            f.write(json.dumps(r) + "\n")
-
-
 def build(out, n_sft=6000, n_train=2000, n_heldout=200, seed=0, digits=3, mix=(0.35, 0.45, 0.2), sft=True):
     """Write sft.jsonl (when `sft`; it runs every trajectory's code in the sandbox), train.jsonl and
     heldout.jsonl into `out`; returns the paths written. The RL problems are the same whether or
@@ -153,15 +131,13 @@ def build(out, n_sft=6000, n_train=2000, n_heldout=200, seed=0, digits=3, mix=(0
     train = make_problems(n_sft + n_train, "train", seed, digits=digits)
     sft_problems, rl_problems = train[:n_sft], train[n_sft:]
     heldout = make_problems(n_heldout, "heldout", seed=0, digits=digits)  # fixed across seeds
-    strip = lambda rows: [{k: v for k, v in r.items() if k != "code"} for r in rows]  # no solutions leak
-    paths = []
-    if sft:
-        paths.append(os.path.join(out, "sft.jsonl"))
-        write_jsonl(paths[-1], make_sft_records(sft_problems, seed, mix))
-    for name, rows in (("train.jsonl", rl_problems), ("heldout.jsonl", heldout)):
-        paths.append(os.path.join(out, name))
-        write_jsonl(paths[-1], strip(rows))
-    return paths
+    files = {"sft.jsonl": make_sft_records(sft_problems, seed, mix)} if sft else {}
+    files.update({"train.jsonl": rl_problems, "heldout.jsonl": heldout})
+    os.makedirs(out or ".", exist_ok=True)
+    for name, rows in files.items():  # without "code": no solution leaks into the data
+        with open(os.path.join(out, name), "w") as f:
+            f.writelines(json.dumps({k: v for k, v in r.items() if k != "code"}) + "\n" for r in rows)
+    return [os.path.join(out, name) for name in files]
 
 
 def ensure(sft=False, base_dir=None, seed=0):
@@ -183,11 +159,8 @@ def sft_start():
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="data/toy")
-    ap.add_argument("--n-sft", type=int, default=6000)
-    ap.add_argument("--n-train", type=int, default=2000)
-    ap.add_argument("--n-heldout", type=int, default=200)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--digits", type=int, default=3)
+    for flag, default in (("--n-sft", 6000), ("--n-train", 2000), ("--n-heldout", 200), ("--seed", 0), ("--digits", 3)):
+        ap.add_argument(flag, type=int, default=default)
     a = ap.parse_args()
     for path in build(a.out, a.n_sft, a.n_train, a.n_heldout, a.seed, a.digits):
         print("wrote", path)

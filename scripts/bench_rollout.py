@@ -65,14 +65,10 @@ def vs_transformers(model, hf, prompts, new_tokens, label, repeats=3, compile=Fa
 
     rollout.generate(model, prompts[:2], 4, compile=compile)  # warm-up both (and compile)
     hf.generate(padded[:2, -8:], attention_mask=attn[:2, -8:], max_new_tokens=4, do_sample=False)
-    best = {"ours": (1e9, 1e9), "hf": (1e9, 1e9)}
-    for _ in range(repeats):  # interleaved, best of each: this machine's speed drifts between runs
-        ours, wall, cpu = timed(lambda: rollout.generate(model, prompts, new_tokens, compile=compile))
-        best["ours"] = min(best["ours"], (wall, cpu))
-        theirs, wall, cpu = timed(run_hf)
-        best["hf"] = min(best["hf"], (wall, cpu))
+    runs = [(timed(lambda: rollout.generate(model, prompts, new_tokens, compile=compile)), timed(run_hf))
+            for _ in range(repeats)]  # interleaved, best of each: this machine's speed drifts between runs
+    (ours, w_ours, c_ours), (theirs, w_hf, c_hf) = (min(r, key=lambda run: run[1:]) for r in zip(*runs))
     n, same = len(prompts) * new_tokens, sum(a == b for a, b in zip(ours, theirs))
-    (w_ours, c_ours), (w_hf, c_hf) = best["ours"], best["hf"]
     print(f"  {label}: batch {len(prompts)}, prompt lengths {min(map(len, prompts))}..{width}, {new_tokens} new tokens each (greedy)")
     print(f"    rollout.generate      {n / w_ours:8.1f} tok/s wall ({w_ours:.2f} s), {n / c_ours:8.1f} tok/s CPU time")
     print(f"    transformers.generate {n / w_hf:8.1f} tok/s wall ({w_hf:.2f} s), {n / c_hf:8.1f} tok/s CPU time")
@@ -111,8 +107,7 @@ class DelayedSandbox:
     """Every run takes `delay` seconds; blocking=True waits inside submit, as a rollout without overlap would."""
 
     def __init__(self, delay, blocking=False):
-        self.delay, self.blocking, self.calls = delay, blocking, 0
-        self.pool = concurrent.futures.ThreadPoolExecutor(64)
+        self.delay, self.blocking, self.calls, self.pool = delay, blocking, 0, concurrent.futures.ThreadPoolExecutor(64)
 
     def _run(self, code):
         time.sleep(self.delay)
@@ -187,8 +182,7 @@ def main(argv):
     args = parse_config(BenchConfig, argv, __doc__)
     if args.threads:
         torch.set_num_threads(args.threads)
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                          "cpu" if args.device == "auto" else args.device)
+    device = torch.device(args.device if args.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
     path = build_tiny_checkpoint(tempfile.mkdtemp(prefix="rollout-bench-"), seed=0, hidden_size=256, intermediate_size=768,
                                  num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2, head_dim=64)

@@ -34,11 +34,9 @@ def rate(batch, seconds):
 def main(seconds):
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", **sandbox._THREAD_VARS}
     with sandbox.Sandbox() as box, concurrent.futures.ThreadPoolExecutor(box.num_workers) as threads:
-        started = time.monotonic()
-        caps = box.capabilities()
-        print(f"pool: {box.num_workers} workers, ready in {time.monotonic() - started:.2f} s; "
-              f"preimported {caps['preimported']}")
-        n = box.num_workers
+        started, n = time.monotonic(), box.num_workers
+        preimported = box.capabilities()["preimported"]
+        print(f"pool: {n} workers, ready in {time.monotonic() - started:.2f} s; preimported {preimported}")
 
         def warm(code):
             results = box.run_many([code] * 4 * n)

@@ -2,10 +2,11 @@
     python scripts/chat.py --model DIR [--device cuda] [--temperature 0.7] [--max_turns 8] ...
 Every RolloutConfig field is a flag (--seed -1: random). /reset starts over, /quit (or ctrl-d) leaves.
 The conversation stays as token ids between turns (token in, token out)."""
+import contextlib
 import os
 import sys
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -26,8 +27,7 @@ def main(argv):
     from model import Transformer
     from sandbox import TOOL_SCHEMA
     args = parse_config(ChatConfig, argv, __doc__)
-    config = RolloutConfig(**{f.name: getattr(args, f.name) for f in fields(RolloutConfig)})
-    config.seed = None if args.seed < 0 else args.seed
+    config = replace(args, seed=None if args.seed < 0 else args.seed)  # a RolloutConfig
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     model, tokenizer = Transformer.from_pretrained(args.model, device=device), AutoTokenizer.from_pretrained(args.model)
     chat, ids = ChatFormat(tokenizer, TOOL_SCHEMA), None
@@ -49,7 +49,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    try:
+    with contextlib.suppress(EOFError, KeyboardInterrupt):
         main(sys.argv[1:])
-    except (EOFError, KeyboardInterrupt):
-        pass
