@@ -181,6 +181,13 @@ def build_model(path, device, sharded):
     return model
 
 
+def clip_grads(model, max_norm):
+    """Clip the gradients' global norm to max_norm (0: no clipping); returns the norm before, a float
+    (under FSDP2 clip_grad_norm_ returns a DTensor)."""
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm if max_norm > 0 else float("inf"))
+    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
+
 def save_checkpoint(out_dir, step, model, optimizer, tokenizer, trainer, base_path=None, dtype=None, keep=1):
     """out_dir/step_NNNNNN: a Hugging Face directory (full weights gathered on rank 0's CPU) plus
     train_state/ (fp32 weights and optimizer sharded by torch.distributed.checkpoint, each rank's

@@ -44,8 +44,8 @@ import evaluate
 import rollout
 import sandbox
 from data import toy
-from common import Metrics, build_model, check_resume, latest_resumable, load_checkpoint, parse_config, print0, \
-    resolve_model, save_checkpoint, distributed
+from common import Metrics, build_model, check_resume, clip_grads, latest_resumable, load_checkpoint, parse_config, \
+    print0, resolve_model, save_checkpoint, distributed
 
 
 @dataclass
@@ -69,7 +69,7 @@ class Config:  # defaults: the paper's recipe (../shared/DESIGN.md, Open-AgentRL
     weight_decay: float = 0.01
     beta1: float = 0.9
     beta2: float = 0.999
-    grad_clip: float = 1.0
+    grad_clip: float = 1.0         # 0: no clipping (the norm is still logged)
     clip_low: float = 0.2
     clip_high: float = 0.315
     clip_higher: bool = True       # False: clip_high = clip_low (GRPO-T)
@@ -411,8 +411,7 @@ def update(model, opt, samples, num_tokens, num_seqs, cfg, device, world):
         for k, v in stats.items():
             totals[k] = totals.get(k, 0.0) + float(v)
     summed = dict(zip(sorted(totals), all_reduce([totals[k] for k in sorted(totals)], device)))
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-    summed["grad_norm"] = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+    summed["grad_norm"] = clip_grads(model, cfg.grad_clip)
     return summed
 
 

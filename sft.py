@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
-from common import Metrics, build_model, check_resume, checkpoints, latest_resumable, load_checkpoint, \
+from common import Metrics, build_model, check_resume, checkpoints, clip_grads, latest_resumable, load_checkpoint, \
     parse_config, print0, resolve_model, save_checkpoint, distributed
 from model import DTYPES, cu_seqlens_from_lengths
 
@@ -369,8 +369,7 @@ def _train(cfg, rank, world, device, sharded):
             # FSDP averages gradients over ranks; scaling by world makes them a sum over ranks
             (nll * (world / loss_tokens)).backward()
             nll_sum += nll.detach().double()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
-        grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # a DTensor under FSDP2
+        grad_norm = clip_grads(model, cfg.grad_clip)
         lr = scheduler.get_last_lr()[0]
         optimizer.step()
         scheduler.step()

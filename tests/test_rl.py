@@ -466,6 +466,23 @@ def test_entropy_bonus_moves_the_gradient(tiny_ckpt):
     assert torch.allclose(g1 - g0, g_ent, atol=1e-6)
 
 
+def test_grad_clip_zero_means_no_clipping(tiny_ckpt):
+    """--grad_clip=0 is off, as in sft.py (clip_grad_norm_(max_norm=0) would zero every gradient);
+    a small positive value clips to it; the logged norm is the one before clipping."""
+    from common import setup_distributed
+    setup_distributed()
+    model, samples = tiny_update_inputs(tiny_ckpt)
+    opt, n_tok, cpu = torch.optim.AdamW(model.parameters(), lr=0.0), sum(sum(s["mask"]) for s in samples), torch.device("cpu")
+    results = {}
+    for clip in (1e9, 0.0, 1e-3):
+        stats = rl.update(model, opt, samples, n_tok, 3, Config(model="x", micro_batch_tokens=20, grad_clip=clip), cpu, 1)
+        results[clip] = (stats["grad_norm"], grads(model))
+    norm = results[1e9][0]
+    assert norm > 1e-3 and results[0.0][0] == pytest.approx(norm) and results[1e-3][0] == pytest.approx(norm)
+    assert torch.equal(results[0.0][1], results[1e9][1])
+    assert float(results[1e-3][1].norm()) == pytest.approx(1e-3, rel=1e-3)
+
+
 def traj(problem_index, sample_index, text, calls, length=10):
     from types import SimpleNamespace
     return SimpleNamespace(problem_index=problem_index, sample_index=sample_index, prompt_ids=[1, 2],
