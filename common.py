@@ -3,10 +3,13 @@ metrics files that survive a resume, one checkpoint writer and reader, hub-id re
 
 import argparse
 import contextlib
+import inspect
+import io
 import json
 import os
 import random
 import shutil
+import tokenize
 import warnings
 from dataclasses import asdict, fields
 from datetime import timedelta
@@ -25,10 +28,22 @@ def _bool(text):
     return text.lower() in ("1", "true", "yes")
 
 
+def _field_comments(cls):
+    """field -> the comment on its line in the class source (what --help says of it); {} without source."""
+    try:
+        source = inspect.getsource(cls)
+    except (OSError, TypeError):
+        return {}
+    lines = source.splitlines()
+    return {lines[t.start[0] - 1].split(":")[0].strip(): t.string.lstrip("# ").replace("%", "%%")
+            for t in tokenize.generate_tokens(io.StringIO(source).readline) if t.type == tokenize.COMMENT}
+
+
 def parse_config(cls, argv, doc="", presets=None):
     """A `cls` dataclass from --name value / --name=value flags ('-' and '_' alike; a bare bool
     flag means true). presets: {name: {field: value}}; `--preset NAME` sets those defaults under
-    the explicit flags. `--` (torchrun's separator) is skipped; --help lists every default."""
+    the explicit flags. `--` (torchrun's separator) is skipped; --help lists every default, with
+    the comment beside the field in the dataclass."""
     argv = [a for a in argv if a != "--"]
     values = {}
     if presets:  # a first pass reads --preset alone, so its values become the defaults --help shows
@@ -39,11 +54,12 @@ def parse_config(cls, argv, doc="", presets=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     if presets:
         p.add_argument("--preset", choices=sorted(presets), help="named preset of defaults")
+    comments = _field_comments(cls)
     for f in fields(cls):
         default = values.get(f.name, f.default)
         names = sorted({f"--{f.name}", f"--{f.name.replace('_', '-')}"})
         kind = dict(type=_bool, nargs="?", const=True) if type(f.default) is bool else dict(type=type(f.default))
-        p.add_argument(*names, dest=f.name, default=default, help=f"(default: {default!r})", **kind)
+        p.add_argument(*names, dest=f.name, default=default, help=f"{comments.get(f.name, '')} (default: {default!r})".lstrip(), **kind)
     args = vars(p.parse_args(argv))
     args.pop("preset", None)
     return cls(**args)

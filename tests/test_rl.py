@@ -196,6 +196,10 @@ def test_parse_args_presets_and_types(capsys):
     with pytest.raises(SystemExit):
         rl.parse_args(["--steps=x"])
     assert "invalid int value: 'x'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        rl.parse_args(["--help"])
+    help_text = " ".join(capsys.readouterr().out.split())   # each option with its comment and default
+    assert "--grad-clip GRAD_CLIP, --grad_clip GRAD_CLIP 0: no clipping (the norm is still logged) (default: 1.0)" in help_text
     ran = []
     monkeypatch = pytest.MonkeyPatch()
     monkeypatch.setattr(rl, "train", ran.append)
