@@ -398,11 +398,12 @@ class Transformer(nn.Module):
         if cfg.tie_word_embeddings:
             state.pop("lm_head.weight", None)
         dtype_name = {v: k for k, v in DTYPES.items()}[next(iter(state.values())).dtype]
-        shards = [{}]
+        shards, size = [{}], 0
         for key, t in state.items():  # a new shard when this tensor would take the current one past the limit
-            if shards[-1] and sum(x.nbytes for x in shards[-1].values()) + t.nbytes > max_shard_bytes:
+            if shards[-1] and size + t.nbytes > max_shard_bytes:
                 shards.append({})
-            shards[-1][key] = t
+                size = 0
+            shards[-1][key], size = t, size + t.nbytes
         for stale in os.listdir(path):  # a re-save with another shard count must not leave old shards
             if stale.startswith("model") and stale.endswith((".safetensors", ".index.json")):
                 os.remove(os.path.join(path, stale))
