@@ -14,7 +14,6 @@ Files: runs/toy/data/{sft,train,heldout}.jsonl (ensure()); the SFT start (sft_st
 import argparse
 import hashlib
 import math
-import json
 import os
 import random
 
@@ -133,10 +132,9 @@ def build(out, n_sft=6000, n_train=2000, n_heldout=200, seed=0, digits=3, mix=(0
     heldout = make_problems(n_heldout, "heldout", seed=0, digits=digits)  # fixed across seeds
     files = {"sft.jsonl": make_sft_records(sft_problems, seed, mix)} if sft else {}
     files.update({"train.jsonl": rl_problems, "heldout.jsonl": heldout})
-    os.makedirs(out or ".", exist_ok=True)
+    from data.prepare import write_jsonl
     for name, rows in files.items():  # without "code": no solution leaks into the data
-        with open(os.path.join(out, name), "w") as f:
-            f.writelines(json.dumps({k: v for k, v in r.items() if k != "code"}) + "\n" for r in rows)
+        write_jsonl(os.path.join(out, name), [{k: v for k, v in r.items() if k != "code"} for r in rows])
     return [os.path.join(out, name) for name in files]
 
 
