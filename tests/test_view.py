@@ -1,0 +1,160 @@
+"""scripts/view.py: the run page holds every kept trajectory as stored, splits responses into blocks, and parses."""
+import gzip
+import json
+import os
+import random
+from html.parser import HTMLParser
+
+import pytest
+
+from scripts import view
+
+VOID = {"meta", "br", "hr", "img", "input", "link"}
+CODE = 'x = 2 + 3\nprint(x < 9, "</script><!--")'
+
+
+class Page(HTMLParser):
+    """Strict enough for the page: every tag closed in order; the JSON scripts by id; the visible text."""
+
+    def __init__(self, text):
+        super().__init__()
+        self.stack, self.scripts, self.text, self.errors = [], {}, [], []
+        self.feed(text)
+        self.close()
+        assert not self.errors and not self.stack, (self.errors, self.stack)
+
+    def handle_starttag(self, tag, attrs):
+        if tag not in VOID:
+            self.stack.append((tag, dict(attrs)))
+
+    def handle_endtag(self, tag):
+        if not self.stack or self.stack[-1][0] != tag:
+            self.errors.append(f"</{tag}> closes {self.stack[-1:]}")
+            return
+        self.stack.pop()
+
+    def handle_data(self, data):
+        tag, attrs = self.stack[-1] if self.stack else ("", {})
+        if tag == "script" and attrs.get("type") == "application/json":
+            self.scripts[attrs["id"]] = json.loads(data)
+        elif tag not in ("script", "style"):
+            self.text.append(data)
+
+
+def make_record(tok, uid, sample, step=None, rl=True, rng=random.Random(0)):
+    """A trajectory record in the shared format: a reasoning turn with a tool call, the forced reply, an answer."""
+    prompt = f"<|im_start|>user\nWhat is 2 + 3? (problem {uid}) \U0001F600<|im_end|>\n<|im_start|>assistant\n"
+    call = json.dumps({"name": "code_interpreter", "arguments": {"code": CODE}})
+    parts = [(f"Let me compute \U0001F389 sample {sample}.\n<tool_call>\n{call}\n</tool_call><|im_end|>", 1),
+             ("\n<|im_start|>user\n<tool_response>\nTrue </script>\n</tool_response><|im_end|>\n"
+              "<|im_start|>assistant\n", 0),
+             (f"The answer is \\boxed{{{5 + sample % 2}}}.<|im_end|>", 1)]
+    ids, mask = [], []
+    for text, m in parts:
+        new = tok.encode(text, add_special_tokens=False)
+        ids, mask = ids + new, mask + [m] * len(new)
+    logprobs = [-round(rng.random(), 6) if m else 0.0 for m in mask]
+    correct = sample % 2 == 0
+    rec = dict(problem_index=int(uid[-1]), sample_index=sample, prompt_ids=tok.encode(prompt, add_special_tokens=False),
+               response_ids=ids, loss_mask=mask, logprobs=logprobs, text=tok.decode(ids, skip_special_tokens=False),
+               tool_calls=[{"code": CODE, "status": "ok", "output": "True </script>\n", "turn": 0}], num_turns=2,
+               finish_reason="stop", uid=uid, benchmark="toy", kind="math", score=float(correct), correct=correct,
+               pred=str(5 + sample % 2), num_tool_calls=1, call_status=["ok"], response_tokens=len(ids),
+               sampled_tokens=sum(mask), tokens_before_first_call=mask.index(0))
+    if rl:
+        trainer = [lp + (0.5 if i == 3 else 1e-4 * i) if m else 0.0 for i, (lp, m) in enumerate(zip(logprobs, mask))]
+        rec.update(step=step, reward=1.0 if correct else -1.0, advantage=0.7 if correct else -0.7,
+                   trainer_logprobs=trainer, prompt=prompt)
+    return rec
+
+
+def write_jsonl(path, records):
+    with (gzip.open(path, "wt", encoding="utf-8") if path.endswith(".gz") else open(path, "w")) as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+
+
+def build(run_dir, *args):
+    out = os.path.join(run_dir, "page.html")
+    view.main([str(run_dir), "--out", out, *args])
+    text = open(out, encoding="utf-8").read()
+    return text, Page(text)
+
+
+def embedded(page):
+    return sorted((d["record"] for d in page.scripts.values()), key=lambda r: (r.get("step") or 0, r["uid"],
+                                                                               r["sample_index"]))
+
+
+@pytest.fixture
+def rl_run(tmp_path, tiny_tokenizer, tiny_ckpt):
+    run = tmp_path / "rl"
+    os.makedirs(run / "trajectories")
+    os.symlink(tiny_ckpt, run / "final")   # where a finished run keeps its tokenizer
+    steps = [dict(event="step", step=s, reward=0.1 * s, accuracy=0.5, tool_calls_per_traj=1.0, response_length=40.0,
+                  entropy=0.3, clip_high=0.0, clip_low=0.01, time={"step": 1.0}) for s in (1, 2, 3)]
+    steps[2]["eval"] = {"step": 3, "accuracy": 0.75}
+    write_jsonl(str(run / "metrics.jsonl"), [{"event": "start", "step": 0, "config": {}}] + steps)
+    records = {s: [make_record(tiny_tokenizer, f"p{g}", k, step=s) for g in range(2) for k in range(2)] for s in (1, 3)}
+    write_jsonl(str(run / "trajectories" / "step_000001.jsonl.gz"), records[1])
+    write_jsonl(str(run / "trajectories" / "step_000003.jsonl"), records[3])
+    return run, records[1] + records[3]
+
+
+def test_rl_page_holds_every_trajectory_as_stored(rl_run):
+    run, records = rl_run
+    text, page = build(run)
+    assert embedded(page) == records   # every kept trajectory; its text, masks, log-probs exactly as stored
+    visible = "".join(page.text)
+    for needle in (CODE, "True </script>", "Let me compute \U0001F389 sample 1.", "\\boxed{6}.", "reward +1.000",
+                   "adv -0.700", "What is 2 + 3? (problem p1) \U0001F600", "step 3 · 2 groups · 4 trajectories"):
+        assert needle in visible, needle
+    convs = visible.split("Trajectories")[1]
+    for prompt in {r["prompt"] for r in records}:
+        convs = convs.replace(prompt, "")
+    assert "<|im_end|>" not in convs and "<|im_start|>" not in convs   # the conversation without the scaffolding
+    for d in page.scripts.values():   # token strings: one per token, multi-byte characters whole
+        assert len(d["pieces"]) == len(d["record"]["response_ids"]) and "".join(d["pieces"]) == d["record"]["text"]
+        assert not any("\ufffd" in p for p in d["pieces"])
+    # curves: the metrics present, clip_dual absent from the file is skipped, the eval point drawn
+    assert all(f">{k}" in text for k in ("reward", "entropy", "clip_high", "clip_low")) and ">clip_dual" not in text
+    assert text.count('class="ev"') == 1 and text.count('<svg class="chart"') == 7
+    assert "http://" not in text and "https://" not in text and "<link" not in text   # nothing fetched
+    # steps chosen: --steps, and at most --max_steps spread evenly
+    assert {r["step"] for r in embedded(build(run, "--steps", "2-3")[1])} == {3}
+    assert view.choose_steps(list(range(1, 101)), "", 5) == [1, 26, 51, 75, 100]
+
+
+def test_eval_dir_and_no_tokenizer(tmp_path, tiny_tokenizer, tiny_ckpt):
+    run = tmp_path / "eval"
+    os.makedirs(run)
+    recs = [make_record(tiny_tokenizer, f"q{g}", k, rl=False) for g in range(3) for k in range(2)]
+    write_jsonl(str(run / "trajectories.rank0.jsonl"), recs[:3])
+    write_jsonl(str(run / "trajectories.rank1.jsonl"), recs[3:])
+    overall = {"avg@2": 0.5, "pass@2": 1.0, "headline": 0.5, "tools": {"tool_calls_per_response": 1.0}}
+    json.dump({"benchmarks": {"toy": overall}, "overall": overall, "model": tiny_ckpt}, open(run / "summary.json", "w"))
+    text, page = build(run)
+    assert embedded(page) == sorted(recs, key=lambda r: (r["uid"], r["sample_index"]))
+    visible = "".join(page.text)
+    assert "score 1.00 correct" in visible and "score 0.00 wrong" in visible and "reward" not in visible
+    assert "What is 2 + 3? (problem q2) \U0001F600" in visible   # the prompt decoded from prompt_ids
+    assert "pass@2" in visible and f"tokenizer: {tiny_ckpt}" in visible
+    os.remove(run / "summary.json")   # no tokenizer anywhere: text blocks only, said on the page
+    text, page = build(run)
+    assert embedded(page) == sorted(recs, key=lambda r: (r["uid"], r["sample_index"]))
+    assert "token strings unavailable" in text and all(d["pieces"] is None for d in page.scripts.values())
+    assert CODE in "".join(page.text)
+
+
+def test_response_blocks():
+    calls = [{"code": "a", "status": "ok", "turn": 0}, {"code": "b", "status": "error", "turn": 0},
+             {"code": "c", "status": "bad_call", "turn": 1}]
+    text = ('<think>hm</think>\n<tool_call>\n{"name": "code_interpreter", "arguments": {"code": "a"}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "code_interpreter", "arguments": "{\\"code\\": \\"b\\"}"}\n</tool_call><|im_end|>\n'
+            '<|im_start|>user\n<tool_response>\n1\n</tool_response>\n<tool_response>\nE\n</tool_response><|im_end|>\n'
+            '<|im_start|>assistant\n<tool_call>\nnot json\n</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\n'
+            'bad\n</tool_response><|im_end|>\n<|im_start|>assistant\nso <tool_call>\n{"name": "code_int')
+    blocks = view.response_blocks(text, calls)
+    assert [(k, t, c and c["status"]) for k, t, c in blocks] == [
+        ("text", "<think>hm</think>", None), ("call", "a", "ok"), ("call", "b", "error"), ("reply", "1", None),
+        ("reply", "E", None), ("call", "not json", "bad_call"), ("reply", "bad", None), ("text", "so", None),
+        ("call", '{"name": "code_int', None)]   # cut by the length budget: shown raw, not run
