@@ -53,6 +53,7 @@ class EvalConfig:
     tool_output_chars: int = 256
     tool_timeout: float = 10.0
     tool_memory_mb: int = 1024
+    enable_thinking: str = "default"    # the chat template's switch (Qwen3 hybrid): default (its own) | true | false
     code_test_timeout: float = 6.0      # per test case
     pass_k: str = ""                    # e.g. "1,8,32"; default 1 and n
     verl_metrics: bool = False          # also verl's bootstrap maj@k/mean and best@k/mean

@@ -98,6 +98,7 @@ class Config:  # defaults: the paper's recipe (../shared/DESIGN.md, Open-AgentRL
     tool_output_chars: int = 256
     tool_timeout: float = 10.0
     tool_memory_mb: int = 1024
+    enable_thinking: str = "default"  # the chat template's switch (Qwen3 hybrid): default (its own) | true | false
     eval_every: int = 10           # steps (0: only before and after training)
     eval_n: int = 32
     eval_temperature: float = 1.0
@@ -217,10 +218,10 @@ def load_problems(path):
     return problems
 
 
-def drop_overlong(problems, tokenizer, max_tokens, path):
+def drop_overlong(problems, tokenizer, rcfg, max_tokens, path):
     """The recipe's filter_overlong_prompts: prompts over max_tokens (chat template and tool
     schema included) are dropped at load time, counted and reported, instead of failing mid-run."""
-    chat = rollout.ChatFormat(tokenizer, sandbox.TOOL_SCHEMA)  # the prompt exactly as the rollout renders it
+    chat = rollout.chat_format(tokenizer, rcfg)  # the prompt exactly as the rollout renders it
     kept = [p for p in problems if len(chat.prompt_ids(p["prompt"], p.get("system"))) <= max_tokens]
     if len(kept) < len(problems):
         print0(f"{path}: dropped {len(problems) - len(kept)} of {len(problems)} problems with prompts over "
@@ -298,7 +299,7 @@ class TimedSandbox:
 
 
 SHARED = ("top_k", "max_prompt_tokens", "max_response_tokens", "max_turns", "max_parallel_calls",
-          "tool_output_chars", "tool_timeout", "tool_memory_mb")   # the rollout settings rollouts and evaluation share
+          "tool_output_chars", "tool_timeout", "tool_memory_mb", "enable_thinking")   # the rollout settings rollouts and evaluation share
 
 
 def has_program(text):
@@ -520,9 +521,11 @@ def _train(cfg, rank, world, device, sharded):
     eval_problems = load_problems(cfg.eval_data)[:cfg.eval_limit or None] if cfg.eval_data else []
     path = resolve_model(cfg.model)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    problems = drop_overlong(problems, tokenizer, cfg.max_prompt_tokens, cfg.data)
+    rcfg = rollout.RolloutConfig(n=cfg.samples_per_prompt, temperature=cfg.temperature, top_p=cfg.top_p,
+                                 **{k: getattr(cfg, k) for k in SHARED})
+    problems = drop_overlong(problems, tokenizer, rcfg, cfg.max_prompt_tokens, cfg.data)
     if eval_problems:
-        eval_problems = drop_overlong(eval_problems, tokenizer, cfg.max_prompt_tokens, cfg.eval_data)
+        eval_problems = drop_overlong(eval_problems, tokenizer, rcfg, cfg.max_prompt_tokens, cfg.eval_data)
     steps = cfg.steps or max(1, cfg.epochs * len(problems) // cfg.prompts_per_step)
 
     model = build_model(path, device, sharded)
@@ -544,8 +547,6 @@ def _train(cfg, rank, world, device, sharded):
         print0(f"eval before: accuracy {evals['before']['accuracy']:.3f}")
 
     timed_sandbox = TimedSandbox()
-    rcfg = rollout.RolloutConfig(n=cfg.samples_per_prompt, temperature=cfg.temperature, top_p=cfg.top_p,
-                                 **{k: getattr(cfg, k) for k in SHARED})
     for step in range(start, steps):
         t_step, times = time.time(), {}
         # 1. rollout: this rank takes every world-th problem, so each mini-batch is on every rank

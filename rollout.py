@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
+from data.prompts import CODE_INTERPRETER
 from model import transposed, transposed_weights
 
 try:  # optional GPU kernels (paged KV)
@@ -56,6 +57,7 @@ class RolloutConfig:
     tool_memory_mb: int = 1024
     seed: int | None = None
     max_parallel_calls: int = 1        # calls run per turn (verl's default); later ones get no reply
+    enable_thinking: str = "default"   # the chat template's switch (Qwen3 hybrid): default (its own) | true | false
 
 
 @dataclass
@@ -67,7 +69,7 @@ class Trajectory:
     loss_mask: list[int]       # 1 on sampled tokens, 0 on forced tool-reply tokens
     logprobs: list[float]      # sampler log-probs, 0.0 where mask is 0
     text: str                  # decoded response (tool replies included, special tokens kept)
-    tool_calls: list[dict]     # {"code", "status" (ok|error|timeout|memory|killed|bad_call), "output", "turn"}
+    tool_calls: list[dict]     # {"name", "arguments", "status" (ok|error|timeout|memory|killed|bad_call), "output", "turn"}
     num_turns: int             # assistant turns, the one cut by the budget included
     finish_reason: str         # "stop" | "eos" | "length" | "max_turns"
 
@@ -577,18 +579,33 @@ def generate(model, prompts, max_new_tokens, temperature=0.0, top_p=1.0, stop_to
 
 
 class ChatFormat:
-    """Token ids of the chat protocol, from the tokenizer's chat template and generation config. Forced turns
-    (tool replies; user turns in the REPL) are a rendering with placeholder contents, cut at the placeholders: no
-    format string is written here. The template text is split at added tokens; the plain text between them,
-    message contents included, goes through the tokenizer's model alone (`plain_ids`): none becomes an added token."""
+    """Token ids of the chat protocol, from the tokenizer's chat template and generation config.
+
+    One rule for every id the project makes from a rendering (prompts, forced tool replies, sft.py's
+    trajectories): the template's own structure may hold added tokens (<|im_start|>, <tool_call>, ...);
+    text that came from a message (a prompt, a tool's output, an assistant's content) never does. So
+    `mark` swaps each added-token string inside message text for a private-use character before the
+    template renders it, `encode` splits the rendering at the added tokens left (the template's) and
+    tokenizes the rest, marks turned back into their text, as plain text (`plain_ids`). Forced turns (tool
+    replies; user turns in the REPL) are a rendering with placeholder contents, cut at the placeholders."""
 
     ASSISTANT, CONTENT = "ASSISTANT_PLACEHOLDER_5f1c", "CONTENT_PLACEHOLDER_{}_9d2e"
+    MARKS = 0xF0000   # the marks are U+F0000.. (Supplementary Private Use Area-A), one per added token
 
-    def __init__(self, tokenizer, tool_schema):
+    def __init__(self, tokenizer, tools=None, enable_thinking="default"):
         from transformers import GenerationConfig
-        self.tokenizer, self.tools, self.tool_name = tokenizer, [tool_schema], tool_schema["function"]["name"]
-        text = self._render([{"role": "user", "content": "hi"}, {"role": "assistant", "content": self.ASSISTANT}])
-        self.end_of_turn = tokenizer.encode(text.split(self.ASSISTANT)[1], add_special_tokens=False)[0]
+        if enable_thinking not in ("default", "true", "false"):
+            raise ValueError(f"enable_thinking must be default, true or false, not {enable_thinking!r}")
+        self.tokenizer, self.tools = tokenizer, list(tools) if tools else None
+        # the template's own switch (Qwen3's hybrid thinking); "default" passes nothing
+        self.template_kwargs = {} if enable_thinking == "default" else {"enable_thinking": enable_thinking == "true"}
+        added = sorted(tokenizer.get_added_vocab(), key=len, reverse=True)
+        self.added_ids = {t: tokenizer.convert_tokens_to_ids(t) for t in added}
+        self._added_re = re.compile("(" + "|".join(map(re.escape, added)) + ")" if added else "(?!)")
+        self.marks = {t: chr(self.MARKS + i) for i, t in enumerate(added)}
+        self._unmark = {ord(m): t for t, m in self.marks.items()}
+        text = self.render([{"role": "user", "content": "hi"}, {"role": "assistant", "content": self.ASSISTANT}])
+        self.end_of_turn = self.encode(text.split(self.ASSISTANT)[1])[0]
         self.end_of_turn_text = tokenizer.decode([self.end_of_turn])
         try:  # a checkpoint lists its end ids in generation_config.json (Qwen: <|im_end|>, <|endoftext|>)
             ends = GenerationConfig.from_pretrained(tokenizer.name_or_path, local_files_only=True).eos_token_id
@@ -596,17 +613,41 @@ class ChatFormat:
             ends = None
         ends = tokenizer.eos_token_id if ends is None else ends
         self.stop_ids = frozenset({self.end_of_turn, *([ends] if isinstance(ends, int) else ends or [])})
-        added = sorted(tokenizer.get_added_vocab(), key=len, reverse=True)
-        self._added_re = re.compile("(" + "|".join(map(re.escape, added)) + ")" if added else "(?!)")
         self._pieces = {}
 
-    def _render(self, messages, add_generation_prompt=False, tokenize=False):
-        return self.tokenizer.apply_chat_template(messages, tools=self.tools, tokenize=tokenize, return_dict=False,
-                                                  add_generation_prompt=add_generation_prompt)
+    def render(self, messages, add_generation_prompt=False, tools=None):
+        """The chat template's text (tools: this call's schemas instead of the format's)."""
+        return self.tokenizer.apply_chat_template(messages, tools=tools or self.tools, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt, **self.template_kwargs)
 
-    def prompt_ids(self, prompt, system=None):
-        system = [{"role": "system", "content": system}] if system is not None else []
-        return list(self._render(system + [{"role": "user", "content": prompt}], True, tokenize=True))
+    def mark(self, text, keep=()):
+        """text with every added-token string in it (but those in `keep`) swapped for its mark."""
+        if any(ord(c) in self._unmark for c in text):  # a mark's own character in the text: made U+FFFD
+            text = text.translate({c: "\ufffd" for c in self._unmark})
+        return self._added_re.sub(lambda m: m.group(0) if m.group(0) in keep else self.marks[m.group(0)], text)
+
+    def mark_messages(self, messages, keep=()):
+        """A copy of the messages with the text of each (content, reasoning, tool-call arguments) marked."""
+        def walk(x):
+            if isinstance(x, str):
+                return self.mark(x, keep)
+            if isinstance(x, dict):
+                return {k: walk(v) if k != "role" else v for k, v in x.items()}
+            return [walk(v) for v in x] if isinstance(x, list) else x
+        return [walk(m) for m in messages]
+
+    def unmark(self, text):
+        return text.translate(self._unmark)
+
+    def encode(self, text):
+        """Ids of a (marked) rendering: added tokens where the template wrote them, the rest plain text."""
+        ids = []
+        for j, part in enumerate(self._added_re.split(text)):
+            if j % 2:
+                ids.append(self.added_ids[part])
+            elif part:
+                ids += self.plain_ids(self.unmark(part))
+        return ids
 
     def plain_ids(self, text):
         """text through the normalizer, pre-tokenizer and model only: the added-token pass (which
@@ -616,13 +657,17 @@ class ChatFormat:
         words = backend.pre_tokenizer.pre_tokenize_str(text) if backend.pre_tokenizer else [(text, None)]
         return [t.id for word, _ in words for t in backend.model.tokenize(word)]
 
+    def prompt_ids(self, prompt, system=None):
+        system = [{"role": "system", "content": system}] if system is not None else []
+        return self.encode(self.render(self.mark_messages(system + [{"role": "user", "content": prompt}]), True))
+
     def pieces(self, role, n):
         """The n + 1 template strings around n `role` messages after an assistant's end-of-turn token, up to the
         next generation prompt."""
         if (role, n) not in self._pieces:
             slots = [self.CONTENT.format(i) for i in range(n)]
             messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": self.ASSISTANT}]
-            text = self._render(messages + [{"role": role, "content": s} for s in slots], True).split(self.ASSISTANT, 1)[1]
+            text = self.render(messages + [{"role": role, "content": s} for s in slots], True).split(self.ASSISTANT, 1)[1]
             if not text.startswith(self.end_of_turn_text):
                 raise ValueError(f"chat template: assistant turn does not end with {self.end_of_turn_text!r}")
             text = text[len(self.end_of_turn_text):]
@@ -631,35 +676,58 @@ class ChatFormat:
 
     def forced_ids(self, role, contents):
         """Ids after an assistant's end-of-turn token: `role` messages with these contents, then the next prompt."""
-        atoms = []  # (text, is_added_token)
-        for piece, content in itertools.zip_longest(self.pieces(role, len(contents)), contents):
-            atoms += [(part, j % 2 == 1) for j, part in enumerate(self._added_re.split(piece)) if part]
-            atoms += [(content, False)] if content is not None else []
-        ids = []
-        for is_added, run in itertools.groupby(atoms, key=lambda a: a[1]):
-            texts = [text for text, _ in run]
-            ids += [self.tokenizer.convert_tokens_to_ids(t) for t in texts] if is_added else self.plain_ids("".join(texts))
-        return ids
+        pieces = self.pieces(role, len(contents))
+        return self.encode("".join(p + self.mark(c) for p, c in zip(pieces, contents)) + pieces[-1])
 
+
+# ---------------------------------------------------------------- tools
+@dataclass
+class Tool:
+    """One tool the model may call: its schema (rendered into the prompt; function.name is how the model calls
+    it) and `call(arguments, sandbox, config) -> Future` of (status, reply text) or of the reply text alone
+    (status "ok"). A ValueError raised by call is a malformed call: its text is the reply, status bad_call."""
+    schema: dict
+    call: object
+
+
+def run_code(arguments, sandbox, config):
+    """The code interpreter: the first ```python fence, the last bare expression printed, run in the sandbox;
+    the reply is stdout then stderr (and why the run stopped), cut to config.tool_output_chars."""
+    import sandbox as sandbox_module
+    code = arguments.get("code")
+    if not isinstance(code, str):
+        raise ValueError('Error: code_interpreter needs a string argument "code".')
+    prepare, submit, fmt = (getattr(sandbox, name, None) or getattr(sandbox_module, name)
+                            for name in ("prepare_code", "submit", "format_tool_output"))
+    reply = concurrent.futures.Future()
+    run = submit(prepare(code), timeout=config.tool_timeout, memory_mb=config.tool_memory_mb)
+    run.add_done_callback(lambda f: reply.set_exception(f.exception()) if f.exception() else
+                          reply.set_result((f.result().status, fmt(f.result(), config.tool_output_chars))))
+    return reply
+
+
+# The tools the rollout offers, by name. To add one: TOOLS["name"] = Tool(schema, call), or pass tools= to rollout().
+TOOLS = {"code_interpreter": Tool(CODE_INTERPRETER, run_code)}
 
 TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)  # as verl's HermesToolParser
 
 
-def parse_tool_calls(text, tool_name, max_calls=1):
-    """The calls of one assistant turn, in order: a list of (code, error), exactly one of them None. A block that
-    is not a JSON object with a "name" is a parse error (verl's), not counted towards max_calls; of the calls that
-    parse, the first max_calls are kept (verl's max_parallel_calls). Parse errors, a wrong tool, missing code and a
-    <tool_call> still open after the last block become error texts (verl drops them)."""
+def parse_tool_calls(text, max_calls=1):
+    """The calls of one assistant turn, in order: a list of (name, arguments, error), error None or the reply to
+    a malformed call. A block that is not a JSON object with a "name" is a parse error (verl's), not counted
+    towards max_calls; of the calls that parse, the first max_calls are kept (verl's max_parallel_calls).
+    Arguments written as a JSON string are decoded. A <tool_call> still open after the last block is an error
+    (verl drops all of these silently; here each gets an error reply)."""
     calls, parsed, end = [], 0, 0
     for match in TOOL_CALL_RE.finditer(text):
         end = match.end()
         try:
             call = json.loads(match.group(1))
         except json.JSONDecodeError as e:
-            calls.append((None, f"Error: the tool call is not valid JSON ({e.msg} at char {e.pos})."))
+            calls.append((None, None, f"Error: the tool call is not valid JSON ({e.msg} at char {e.pos})."))
             continue
         if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-            calls.append((None, 'Error: a tool call is {"name": ..., "arguments": {...}}.'))
+            calls.append((None, None, 'Error: a tool call is {"name": ..., "arguments": {...}}.'))
             continue
         parsed += 1
         if parsed > max_calls:
@@ -670,13 +738,9 @@ def parse_tool_calls(text, tool_name, max_calls=1):
                 args = json.loads(args)
             except json.JSONDecodeError:
                 args = None
-        code = args.get("code") if isinstance(args, dict) else None
-        if call["name"] != tool_name:
-            calls.append((None, f"Error: unknown tool {call['name'][:64]!r}; the tool is {tool_name}."))
-        else:
-            calls.append((code, None) if isinstance(code, str) else (None, f'Error: {tool_name} needs a string argument "code".'))
+        calls.append((call["name"], args if isinstance(args, dict) else {}, None))
     if "<tool_call>" in text[end:]:
-        calls.append((None, "Error: the tool call is not closed with </tool_call>."))
+        calls.append((None, None, "Error: the tool call is not closed with </tool_call>."))
     return calls
 
 
@@ -700,11 +764,8 @@ class AgentLoop:
     """Drives agents through the engine: sample a turn, run its tool calls off the batch, force the reply,
     resume; the engine keeps decoding the other trajectories while tools run."""
 
-    def __init__(self, engine, chat, config, sandbox=None):
-        import sandbox as sandbox_module
-        self.engine, self.chat, self.config = engine, chat, config
-        self.submit, self.prepare_code, self.format_output = (
-            getattr(sandbox, name, None) or getattr(sandbox_module, name) for name in ("submit", "prepare_code", "format_tool_output"))
+    def __init__(self, engine, chat, config, sandbox=None, tools=None):
+        self.engine, self.chat, self.config, self.sandbox, self.tools = engine, chat, config, sandbox, tools or TOOLS
 
     def run(self, prompts, keys, seeds=None):
         """prompts: token-id lists; keys: (problem_index, sample_index) per prompt; seeds: one generator
@@ -736,36 +797,47 @@ class AgentLoop:
         seq, cfg = agent.seq, self.config
         agent.num_turns += 1
         text = self.chat.tokenizer.decode(seq.token_ids[agent.turn_start:], skip_special_tokens=False)
-        calls = parse_tool_calls(text, self.chat.tool_name, cfg.max_parallel_calls)
-        reason = ("length" if seq.finish_reason == "length" else
-                  "eos" if seq.token_ids[-1] != self.chat.end_of_turn else  # no template renders a reply after it
-                  "stop" if not calls else
-                  "max_turns" if agent.num_turns >= cfg.max_turns else
-                  "length" if seq.num_response >= seq.params.max_tokens else None)  # no room for a reply
-        if reason:
-            return self._finish(agent, reason)
-        for code, error in calls:
-            record = {"code": code, "status": "bad_call" if error else None, "output": error or "", "turn": agent.num_turns - 1}
-            future = concurrent.futures.Future()
-            if error:
-                future.set_result(None)
-            else:
-                try:
-                    future = self.submit(self.prepare_code(code), timeout=cfg.tool_timeout, memory_mb=cfg.tool_memory_mb)
-                except Exception as e:  # a closed or broken pool: answered like a failure inside the Future
-                    future.set_exception(e)
-            agent.pending.append((record, future))
-        return True
+        calls = parse_tool_calls(text, cfg.max_parallel_calls)
+        if seq.finish_reason == "length" or (calls and seq.num_response >= seq.params.max_tokens):
+            reason = "length"     # the budget ran out in the turn, or left no room for a reply
+        elif seq.token_ids[-1] != self.chat.end_of_turn:
+            reason = "eos"        # another end id (<|endoftext|>): no template renders a reply after it
+        elif not calls:
+            reason = "stop"       # an answer without a call ends the trajectory
+        elif agent.num_turns >= cfg.max_turns:
+            reason = "max_turns"  # a call in the last allowed turn is not run
+        else:
+            agent.pending = [self._dispatch(agent, *call) for call in calls]
+            return True
+        return self._finish(agent, reason)
+
+    def _dispatch(self, agent, name, arguments, error):
+        """(call record, Future of (status, reply)) for one parsed call; a malformed call is answered at once."""
+        record = {"name": name, "arguments": arguments, "status": None, "output": "", "turn": agent.num_turns - 1}
+        future = concurrent.futures.Future()
+        if error is None and name not in self.tools:
+            error = f"Error: unknown tool {name[:64]!r}; the tools are {', '.join(self.tools)}."
+        if error is None:
+            try:
+                future = self.tools[name].call(arguments, self.sandbox, self.config)
+            except ValueError as e:   # the tool refused the arguments
+                error = str(e)
+            except Exception as e:    # a closed or broken pool: answered like a failure inside the Future
+                future.set_exception(e)
+        if error is not None:
+            record.update(status="bad_call", output=error)
+            future.set_result(None)
+        return record, future
 
     def _answer(self, agent):
         """All of a turn's calls are back: force the tool reply and resume, or stop at the budget."""
         for record, future in agent.pending:
             if record["status"] is None:
                 try:
-                    result = future.result()
-                    record["status"], record["output"] = result.status, self.format_output(result, self.config.tool_output_chars)
+                    reply = future.result()
+                    record["status"], record["output"] = ("ok", reply) if isinstance(reply, str) else reply
                 except Exception as e:  # a sandbox failure is the tool's answer, not a crash of the rollout
-                    record["status"], record["output"] = "error", f"Error: the sandbox failed: {type(e).__name__}: {e}"[:200]
+                    record["status"], record["output"] = "error", f"Error: the tool failed: {type(e).__name__}: {e}"[:200]
             agent.tool_calls.append(record)
         seq, outputs, agent.pending = agent.seq, [r["output"] for r, _ in agent.pending], []
         forced = self.chat.forced_ids("tool", outputs)
@@ -777,13 +849,19 @@ class AgentLoop:
         agent.turn_start = len(seq)
 
 
-def rollout(model, tokenizer, problems, config, sandbox=None, seeds=None, engine=None, **engine_kwargs):
+def chat_format(tokenizer, config, tools=None):
+    """The ChatFormat rollout() renders prompts and replies with: every tool's schema, the template switch."""
+    return ChatFormat(tokenizer, [t.schema for t in (tools or TOOLS).values()], config.enable_thinking)
+
+
+def rollout(model, tokenizer, problems, config, sandbox=None, seeds=None, engine=None, tools=None, **engine_kwargs):
     """config.n trajectories per problem, grouped by problem. sandbox: an object with submit(code, timeout,
     memory_mb) -> Future[Result] (and optionally prepare_code, format_tool_output); the sandbox module by
     default. seeds: one per problem, instead of config.seed: sample j of problem i then draws the same
-    tokens whichever other problems share the call. engine: an Engine to reuse; else engine_kwargs make one."""
-    from sandbox import TOOL_SCHEMA
-    chat = ChatFormat(tokenizer, TOOL_SCHEMA)
+    tokens whichever other problems share the call. engine: an Engine to reuse; else engine_kwargs make one.
+    tools: {name: Tool}, rendered into the prompt and called by name (default TOOLS)."""
+    tools = tools or TOOLS
+    chat = chat_format(tokenizer, config, tools)
     if seeds is not None and len(seeds) != len(problems):
         raise ValueError(f"{len(seeds)} seeds for {len(problems)} problems")
     prompts, keys = [], []
@@ -796,5 +874,5 @@ def rollout(model, tokenizer, problems, config, sandbox=None, seeds=None, engine
     if engine is None:
         engine = Engine(model, **{"max_seq_lens": [len(p) + config.max_response_tokens for p in prompts], **engine_kwargs})
     per_sequence = [sequence_seed(seeds[i], j) for i, j in keys] if seeds is not None else None
-    agents = AgentLoop(engine, chat, config, sandbox).run(prompts, keys, per_sequence)
+    agents = AgentLoop(engine, chat, config, sandbox, tools).run(prompts, keys, per_sequence)
     return [a.trajectory(tokenizer) for a in agents]

@@ -117,24 +117,39 @@ def check_record(record, where):
     return messages, tools
 
 
-def end_of_turn(tokenizer):
-    """The text that closes an assistant turn in this chat template (<|im_end|> for Qwen)."""
-    probe = "PROBE_7f3a"
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}, {"role": "assistant", "content": probe}],
-                                         tokenize=False)
-    return tokenizer.decode(tokenizer.encode(text.split(probe, 1)[1], add_special_tokens=False)[:1])
+def mark_content(chat, messages, tools, where):
+    """The messages with every added-token string in their text marked as text (rollout.ChatFormat.mark),
+    so it never becomes an added token, as the rollout treats tool output. A token the template itself reads
+    in a message stays for the template (Qwen3's hybrid template splits reasoning at </think> and writes the
+    think tags itself): marking it alone would change what the template renders."""
+    marked = chat.mark_messages(messages)
+    if marked == messages:  # no added-token string in any text: the common case
+        return marked
+    real, text = chat.render(messages, tools=tools), json.dumps(messages, ensure_ascii=False)
+    if any(ord(c) in chat._unmark for c in text):
+        raise DataError(f"{where}: the text holds a character of U+F0000.., which marks added-token strings here")
+    present = {t for t in chat.marks if t in text}
+    read = {t for t in present if chat.unmark(chat.render(chat.mark_messages(messages, present - {t}), tools=tools)) != real}
+    marked = chat.mark_messages(messages, keep=read)
+    if chat.unmark(chat.render(marked, tools=tools)) != real:
+        raise DataError(f"{where}: the chat template renders the messages differently once the added-token strings "
+                        f"in their text ({sorted(present - read)}) are marked as plain text")
+    return marked
 
 
-def render(tokenizer, messages, tools=None, where="record"):
+def render(chat, messages, tools=None, where="record"):
     """-> (ids, mask, same_as_one_pass): the chat template's rendering as token ids, mask 1 on the
     assistant's own tokens (its text, tool calls, any think block the template writes into its
-    turn, its end-of-turn token). The pieces between the cuts are tokenized one by one, as the
-    rollout builds ids; same_as_one_pass says whether one pass over the text gives the same ids."""
-    def text(k, generation_prompt=False):
-        return tokenizer.apply_chat_template(messages[:k], tools=tools or None, tokenize=False,
-                                             add_generation_prompt=generation_prompt)
+    turn, its end-of-turn token). chat: a rollout.ChatFormat, so the ids follow the rollout's rule
+    (message text is never an added token: a literal <|im_end|> in a tool's output or an answer stays
+    text and does not end the turn). The pieces between the cuts are tokenized one by one, as the rollout
+    builds ids; same_as_one_pass says whether one tokenizer pass over the text gives the same ids."""
+    marked = mark_content(chat, messages, tools, where)
 
-    full, eot = text(len(messages)), end_of_turn(tokenizer)
+    def text(k, generation_prompt=False):
+        return chat.render(marked[:k], generation_prompt, tools)
+
+    full, eot = text(len(messages)), chat.end_of_turn_text
     spans = set()
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
@@ -154,17 +169,19 @@ def render(tokenizer, messages, tools=None, where="record"):
     ids, mask = [], []
     cuts = sorted({0, len(full)}.union(*spans))
     for a, b in zip(cuts[:-1], cuts[1:]):
-        piece = tokenizer.encode(full[a:b], add_special_tokens=False)
+        piece = chat.encode(full[a:b])
         ids += piece
         mask += [int((a, b) in spans)] * len(piece)
-    same = ids == tokenizer.encode(full, add_special_tokens=False)
-    if not same and tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False) != full:
+    real, tokenizer = chat.unmark(full), chat.tokenizer
+    if tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False) != real:
         raise DataError(f"{where}: the ids tokenized piece by piece do not decode to the chat template's text")
-    return ids, mask, same
+    return ids, mask, ids == tokenizer.encode(real, add_special_tokens=False)
 
 
 def load_data(path, tokenizer, cfg):
     """Render every record; truncate or drop the too long ones -> (list of (ids, mask) tensors, stats)."""
+    from rollout import ChatFormat
+    chat = ChatFormat(tokenizer)
     seqs, stats = [], dict(records=0, truncated=0, dropped_too_long=0, dropped_no_loss=0, retokenized=0)
     for lineno, line in enumerate(open(path), 1):
         if not line.strip():
@@ -174,7 +191,7 @@ def load_data(path, tokenizer, cfg):
             record = json.loads(line)
         except json.JSONDecodeError as e:
             raise DataError(f"{where}: not valid JSON ({e})") from None
-        ids, mask, same = render(tokenizer, *check_record(record, where), where)
+        ids, mask, same = render(chat, *check_record(record, where), where)
         stats["records"] += 1
         stats["retokenized"] += not same
         if len(ids) > cfg.max_len:

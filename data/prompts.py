@@ -8,6 +8,11 @@ jianghoucheng/Agent_On_Policy_Distillation and wencanning/test-opd. That fork's 
 other MATH_1, MATH_2 and AGENT texts, in no other copy: taken as its own experiment. Each builder
 names its map function. rollout.py renders the text as the user turn; a row's system turn stays
 a system turn.
+
+CODE_INTERPRETER is the code tool's schema as the models saw it in their system turn: the texts of
+recipe/demystify/sandbox_fusion_tool_config.yaml, in the key order verl's pydantic model
+OpenAIFunctionToolSchema dumps them (type, function: name, description, parameters: type, properties,
+required; no unset keys), which is also the order of the tools column of Open-AgentRL-SFT-3K.
 """
 
 ANSWER_FORMAT = "\nRemember once you make sure the current answer is your final answer, do not call the tools again and directly output the final answer in the following text format, the answer format must be: \\boxed{'The final answer goes here.'}."  # answer_format
@@ -23,6 +28,11 @@ LCB_EXAMPLES = "\nHere are some input and output examples of the expected code:\
 SUBMIT_CODE = "\nBefore sumbit your code, you can utilize tools to check the correctness of your code, once you make sure the current code is correct, do not call the tools again and submit your code within ```python\n# YOUR CODE HERE\n```."  # map_lcb, map_fn_skywork
 UNITS_DAPO = "\nDo not put units of the final answer inside \\boxed{}. The content of \\boxed{} should be the numerical value of the final answer only, without any units."  # map_fn2
 UNITS_SKYWORK = "\nDo not put units of the final answer inside \\boxed{}. The content of \\boxed{} should be the final numerical value of the final answer only, without any units."  # map_fn_skywork, math rows
+
+CODE_INTERPRETER = {"type": "function", "function": {
+    "name": "code_interpreter", "description": "A tool for executing code.",
+    "parameters": {"type": "object", "properties": {"code": {"type": "string", "description": "The code to execute."}},
+                   "required": ["code"]}}}
 
 
 def aime(problem):

@@ -74,9 +74,9 @@ SPLIT_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| 
 
 def _corpus():
     """Text the BPE merges are learned from: the chat and tool layout, Python, arithmetic prose."""
-    from sandbox import TOOL_SCHEMA
+    from data.prompts import CODE_INTERPRETER
     layout = CHAT_TEMPLATE.replace("{{-", " ").replace("}}", " ").replace("{%-", " ").replace("%}", " ")
-    tool_json = json.dumps(TOOL_SCHEMA)
+    tool_json = json.dumps(CODE_INTERPRETER)
     python = ("print(result)\nimport math\nresult = sum(int(d) for d in str(n))\nfor i in range(10):\n"
               "    total += i * i\nx = 12345 * 6789\nprint(x % 97)\ndef f(n):\n    return n ** 2\n"
               "Traceback (most recent call last):\nNameError: name is not defined\nSyntaxError: invalid syntax\n")

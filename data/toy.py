@@ -100,6 +100,7 @@ def _buggy(rng, code):
 def make_sft_records(problems, seed=0, mix=(0.35, 0.45, 0.2), tool_output_chars=256):
     """{"messages", "tools"} trajectories; `mix` = shares of tool / guess / retry trajectories."""
     import sandbox
+    from data.prompts import CODE_INTERPRETER
     rng = random.Random(f"sft-{seed}")
     styles = rng.choices(["tool", "guess", "retry"], weights=mix, k=len(problems))
     plans = [{"tool": [p["code"]], "guess": [], "retry": [_buggy(rng, p["code"]), p["code"]]}[style]  # codes to call
@@ -119,7 +120,7 @@ def make_sft_records(problems, seed=0, mix=(0.35, 0.45, 0.2), tool_output_chars=
         else:
             text = f"The answer is \\boxed{{{reply.strip()}}}."
         messages.append({"role": "assistant", "content": text})
-        records.append({"messages": messages, "tools": [sandbox.TOOL_SCHEMA], "style": style})
+        records.append({"messages": messages, "tools": [CODE_INTERPRETER], "style": style})
     return records
 
 

@@ -125,8 +125,7 @@ class DelayedSandbox:
 
 
 def tool_overlap(model, tokenizer, num_traj, delay):
-    from sandbox import TOOL_SCHEMA
-    chat = rollout.ChatFormat(tokenizer, TOOL_SCHEMA)
+    chat = rollout.chat_format(tokenizer, rollout.RolloutConfig())
     call = tokenizer.encode('Let me compute.\n<tool_call>\n{"name": "code_interpreter", "arguments": {"code": "print(6*7)"}}\n'
                             '</tool_call>', add_special_tokens=False) + [chat.end_of_turn]
     filler = tokenizer.encode(" the sum of the digits", add_special_tokens=False)

@@ -12,7 +12,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common import parse_config  # noqa: E402
-from rollout import AgentLoop, ChatFormat, Engine, RolloutConfig  # noqa: E402
+from rollout import AgentLoop, Engine, RolloutConfig, chat_format  # noqa: E402
 
 
 @dataclass
@@ -25,12 +25,11 @@ class ChatConfig(RolloutConfig):
 def main(argv):
     from transformers import AutoTokenizer
     from model import Transformer
-    from sandbox import TOOL_SCHEMA
     args = parse_config(ChatConfig, argv, __doc__)
     config = replace(args, seed=None if args.seed < 0 else args.seed)  # a RolloutConfig
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     model, tokenizer = Transformer.from_pretrained(args.model, device=device), AutoTokenizer.from_pretrained(args.model)
-    chat, ids = ChatFormat(tokenizer, TOOL_SCHEMA), None
+    chat, ids = chat_format(tokenizer, config), None
     print(f"loaded {args.model} on {device}; /reset starts over, /quit (or ctrl-d) leaves")
     while (line := input("\nyou> ").strip()) not in ("/quit", "/exit"):
         if line == "/reset" or not line:

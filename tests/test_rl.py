@@ -242,7 +242,7 @@ def tool_policy(tmp_path_factory):
     different rewards and the update is not trivial."""
     from data.tiny import build_tiny_checkpoint
     from model import Transformer, cu_seqlens_from_lengths
-    from sandbox import TOOL_SCHEMA
+    from data.prompts import CODE_INTERPRETER as TOOL_SCHEMA
     from transformers import AutoTokenizer
     path = build_tiny_checkpoint(str(tmp_path_factory.mktemp("tool_policy")), seed=0, hidden_size=64,
                                  intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,

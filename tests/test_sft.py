@@ -11,9 +11,10 @@ import pytest
 import torch
 
 import sft
+from rollout import ChatFormat
 from common import checkpoints
 from model import Transformer
-from sandbox import TOOL_SCHEMA
+from data.prompts import CODE_INTERPRETER as TOOL_SCHEMA
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -92,7 +93,7 @@ def test_mask_covers_exactly_the_assistant_tokens(tiny_tokenizer):
         {"role": "tool", "content": "a second reply in the same turn"},
         {"role": "assistant", "content": "The answer is \\boxed{5}."},
     ]
-    ids, mask, same = sft.render(tok, messages, [TOOL_SCHEMA])
+    ids, mask, same = sft.render(ChatFormat(tok), messages, [TOOL_SCHEMA])
     # the ids are the template's own output
     assert ids == tok.apply_chat_template(messages, tools=[TOOL_SCHEMA], tokenize=True, return_dict=False)
     assert same and len(mask) == len(ids)
@@ -119,24 +120,19 @@ def test_mask_covers_exactly_the_assistant_tokens(tiny_tokenizer):
 
 def test_prefix_check_and_bad_records(tiny_tokenizer, tmp_path):
     # a template that drops earlier assistant turns (as some reasoning templates do) cannot be masked by prefixes
-    class Dropping:
-        eos_token_id = tiny_tokenizer.eos_token_id
+    chat = ChatFormat(tiny_tokenizer)
+    render = chat.render
 
-        def apply_chat_template(self, messages, add_generation_prompt=False, **kw):
-            last = max([i for i, m in enumerate(messages) if m["role"] == "user"], default=-1)
-            kept = [m for i, m in enumerate(messages) if not (m["role"] == "assistant" and i < last)]
-            return tiny_tokenizer.apply_chat_template(kept, add_generation_prompt=add_generation_prompt, **kw)
+    def dropping(messages, add_generation_prompt=False, tools=None):
+        last = max([i for i, m in enumerate(messages) if m["role"] == "user"], default=-1)
+        return render([m for i, m in enumerate(messages) if not (m["role"] == "assistant" and i < last)],
+                      add_generation_prompt, tools)
 
-        def encode(self, text, **kw):
-            return tiny_tokenizer.encode(text, **kw)
-
-        def decode(self, ids, **kw):
-            return tiny_tokenizer.decode(ids, **kw)
-
+    chat.render = dropping
     msgs = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
             {"role": "user", "content": "c"}, {"role": "assistant", "content": "d"}]
     with pytest.raises(sft.DataError, match=r"rec:7: messages\[\d\]: the chat template renders"):
-        sft.render(Dropping(), msgs, where="rec:7")
+        sft.render(chat, msgs, where="rec:7")
 
     good = json.dumps(conversation(random.Random(0)))
     cases = {
@@ -317,7 +313,7 @@ def test_qwen3_hybrid_thinking_template(tiny_tokenizer):
     record = conversation(random.Random(3))
     while len(record["messages"]) < 4:  # at least one tool call before the answer
         record = conversation(random.Random(len(record["messages"]) + 10))
-    ids, mask, _ = sft.render(tok, record["messages"], record["tools"])
+    ids, mask, _ = sft.render(ChatFormat(tok), record["messages"], record["tools"])
     assert ids == tok.encode(tok.apply_chat_template(record["messages"], tools=record["tools"], tokenize=False),
                              add_special_tokens=False)
     runs, cur = [], []

@@ -3,7 +3,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from model import Transformer
-from sandbox import TOOL_SCHEMA
+from data.prompts import CODE_INTERPRETER as TOOL_SCHEMA
 
 CONVERSATION = [
     {"role": "user", "content": "What is 123*456?"},
