@@ -1,6 +1,7 @@
 """One self-contained HTML page to read a run: its learning curves and the trajectories it kept.
 
-    python scripts/view.py RUN_DIR [--out FILE] [--tokenizer PATH] [--steps 1,5,10-20] [--max_steps 20] [--top 20]
+    python scripts/view.py RUN_DIR [--out FILE] [--tokenizer PATH] [--steps 1,5,10-20] [--max_steps 20]
+                                   [--max_mb 100] [--top 20]
 
 RUN_DIR is an rl.py out_dir (metrics.jsonl; trajectories/step_NNNNNN.jsonl[.gz] from --save_trajectories) or an
 evaluate.py --out dir (trajectories[.rankR].jsonl, summary.json). The page (RUN_DIR/view.html unless --out) needs
@@ -12,7 +13,8 @@ tinted by the advantage sign, forced tool-reply tokens (mask 0) in blue, and the
 and the sampler's log-probs differ most outlined (values in the tooltip). Token strings come from the run's
 tokenizer (RUN_DIR/final, the newest RUN_DIR/step_*, the model in summary.json, or --tokenizer); without one the
 page shows token ids. `#open=ID,...` in the URL opens those elements (e.g. view.html#open=s3g0t1k).
-With more than --max_steps steps kept, an evenly spread choice of them is shown (--steps picks them).
+With more steps kept than --max_steps, or more than --max_mb of them, fewer steps spread evenly from the first to the
+last are shown (--steps names them instead); a paper-scale step (16 x 20k tokens) makes ~19 MB of page.
 """
 import argparse
 import glob
@@ -42,7 +44,7 @@ def read_jsonl(path):
 
 
 def load_run(run_dir):
-    """(kind "rl" | "eval", metric rows by step, summary, {step or None: records})."""
+    """(kind "rl" | "eval", metric rows by step, summary, {step (None: an evaluation): [trajectory files]})."""
     summary = {}
     if os.path.exists(os.path.join(run_dir, "summary.json")):
         summary = json.load(open(os.path.join(run_dir, "summary.json"), encoding="utf-8"))
@@ -51,30 +53,39 @@ def load_run(run_dir):
         for r in read_jsonl(os.path.join(run_dir, "metrics.jsonl")):
             if r.get("event") == "step":
                 rows[r["step"]] = r   # after a resume the last line of a step wins
-    steps = {}
+    files = {}
     for path in sorted(glob.glob(os.path.join(run_dir, "trajectories", "step_*.jsonl*"))):
-        number = int(re.search(r"step_(\d+)", os.path.basename(path)).group(1))
-        for rec in read_jsonl(path):
-            steps.setdefault(rec.get("step", number), []).append(rec)
+        files.setdefault(int(re.search(r"step_(\d+)", os.path.basename(path)).group(1)), []).append(path)
     evals = sorted(glob.glob(os.path.join(run_dir, "trajectories*.jsonl")))
-    if evals and not steps:
-        steps[None] = [rec for path in evals for rec in read_jsonl(path)]
+    if evals and not files:
+        files[None] = evals
     kind = "rl" if rows or os.path.isdir(os.path.join(run_dir, "trajectories")) else "eval"
-    return kind, [rows[s] for s in sorted(rows)], summary, steps
+    return kind, [rows[s] for s in sorted(rows)], summary, files
 
 
-def choose_steps(available, spec, max_steps):
-    """The steps to show: those named in spec ("1,5,10-20"), else all, or max_steps spread evenly."""
+def data_size(path):
+    """Bytes of JSON in a trajectory file (a .gz file's trailer holds its uncompressed size, mod 4 GiB)."""
+    if not path.endswith(".gz"):
+        return os.path.getsize(path)
+    with open(path, "rb") as f:
+        f.seek(-4, 2)
+        return int.from_bytes(f.read(4), "little")
+
+
+def choose_steps(available, spec="", max_steps=20, sizes=None, max_bytes=float("inf")):
+    """The steps to show: those named in spec ("1,5,10-20"); else up to max_steps spread evenly from the first to
+    the last, fewer while their trajectories (sizes: bytes per step) hold more than max_bytes; at least the last."""
     if spec:
         wanted = set()
         for part in spec.split(","):
             lo, _, hi = part.strip().partition("-")
             wanted.update(range(int(lo), int(hi or lo) + 1))
         return [s for s in available if s in wanted]
-    if len(available) <= max_steps:
-        return available
-    picks = {round(i * (len(available) - 1) / (max_steps - 1)) for i in range(max_steps)} if max_steps > 1 else {0}
-    return [available[i] for i in sorted(picks)]
+    for k in range(min(max_steps, len(available)), 0, -1):
+        picks = [available[round(i * (len(available) - 1) / (k - 1))] for i in range(k)] if k > 1 else available[-1:]
+        if k == 1 or sum((sizes or {}).get(s, 0) for s in picks) <= max_bytes:
+            return picks
+    return []
 
 
 def find_tokenizer(run_dir, explicit=None, summary=None):
@@ -338,20 +349,23 @@ openHash();
 window.addEventListener('hashchange', openHash);"""
 
 
-def render(run_dir, tokenizer_path=None, steps_spec="", max_steps=20, top=20):
-    kind, rows, summary, steps = load_run(run_dir)
-    tokenizer, source = find_tokenizer(run_dir, tokenizer_path, summary) if steps else (None, "not needed")
-    shown = choose_steps(sorted(steps, key=lambda s: -1 if s is None else s), steps_spec, max_steps)
+def render(run_dir, tokenizer_path=None, steps_spec="", max_steps=20, max_mb=100, top=20):
+    kind, rows, summary, files = load_run(run_dir)
+    tokenizer, source = find_tokenizer(run_dir, tokenizer_path, summary) if files else (None, "not needed")
+    sizes = {s: sum(map(data_size, paths)) for s, paths in files.items()}
+    shown = choose_steps(sorted(files, key=lambda s: -1 if s is None else s), steps_spec, max_steps, sizes,
+                         max_mb * 1e6)
+    steps = {s: [rec for path in files[s] for rec in read_jsonl(path)] for s in shown}
     cache, n = {}, sum(len(steps[s]) for s in shown)
     info = [f"{'RL run' if kind == 'rl' else 'evaluation'} <code>{html.escape(os.path.abspath(run_dir))}</code>",
-            f"{n} trajectories in {len(shown)} of {len(steps)} kept step{'s' * (len(steps) != 1)}"
+            f"{n} trajectories in {len(shown)} of the {len(files)} steps kept (--steps, --max_steps, --max_mb choose)"
             if kind == "rl" else f"{n} trajectories",
             f"tokenizer: {html.escape(str(source))}" if tokenizer else
             f"<b>token strings unavailable</b> ({html.escape(source)}): text blocks only, token ids in the token view"]
     for when in ("before", "after"):
         if (summary.get(when) or {}).get("accuracy") is not None:
             info.append(f"held-out accuracy {when} RL: {summary[when]['accuracy']:.3f}")
-    if kind == "rl" and not steps:
+    if kind == "rl" and not files:
         info.append("no trajectories kept (rl.py --save_trajectories N keeps N groups per step)")
     name = html.escape(os.path.basename(os.path.abspath(run_dir)))
     parts = [f'<!DOCTYPE html><html><head><meta charset="utf-8"><title>{name}</title><style>{CSS}</style></head>'
@@ -371,11 +385,12 @@ def main(argv=None):
     ap.add_argument("--tokenizer", help="a tokenizer dir or hub id (default: found from the run)")
     ap.add_argument("--steps", default="", help="steps to show, e.g. 1,5,10-20 (default: all, up to --max_steps)")
     ap.add_argument("--max_steps", type=int, default=20, help="at most this many steps, spread evenly")
+    ap.add_argument("--max_mb", type=float, default=100, help="fewer steps while their trajectories exceed this")
     ap.add_argument("--top", type=int, default=20, help="tokens outlined per trajectory by |trainer - sampler|")
     args = ap.parse_args(argv)
     if not os.path.isdir(args.run_dir):
         raise SystemExit(f"{args.run_dir}: not a directory")
-    page = render(args.run_dir, args.tokenizer, args.steps, args.max_steps, args.top)
+    page = render(args.run_dir, args.tokenizer, args.steps, args.max_steps, args.max_mb, args.top)
     out = args.out or os.path.join(args.run_dir, "view.html")
     with open(out, "w", encoding="utf-8") as f:
         f.write(page)

@@ -122,6 +122,11 @@ def test_rl_page_holds_every_trajectory_as_stored(rl_run):
     # steps chosen: --steps, and at most --max_steps spread evenly
     assert {r["step"] for r in embedded(build(run, "--steps", "2-3")[1])} == {3}
     assert view.choose_steps(list(range(1, 101)), "", 5) == [1, 26, 51, 75, 100]
+    sizes = dict.fromkeys(range(1, 101), 10)
+    assert view.choose_steps(list(range(1, 101)), "", 5, sizes, 30) == [1, 51, 100]   # fewer, to stay under budget
+    assert view.choose_steps(list(range(1, 101)), "", 5, sizes, 1) == [100]
+    assert view.data_size(str(run / "trajectories" / "step_000001.jsonl.gz")) == sum(
+        len(json.dumps(r)) + 1 for r in records[:4])
 
 
 def test_eval_dir_and_no_tokenizer(tmp_path, tiny_tokenizer, tiny_ckpt):
