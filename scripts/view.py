@@ -1,7 +1,7 @@
 """One self-contained HTML page to read a run: its learning curves and the trajectories it kept.
 
     python scripts/view.py RUN_DIR [--out FILE] [--tokenizer PATH] [--steps 1,5,10-20] [--max_steps 20]
-                                   [--max_mb 100] [--top 20]
+                                   [--max_mb 50] [--top 20]
 
 RUN_DIR is an rl.py out_dir (metrics.jsonl; trajectories/step_NNNNNN.jsonl[.gz] from --save_trajectories) or an
 evaluate.py --out dir (trajectories[.rankR].jsonl, summary.json). The page (RUN_DIR/view.html unless --out) needs
@@ -48,6 +48,8 @@ def load_run(run_dir):
     summary = {}
     if os.path.exists(os.path.join(run_dir, "summary.json")):
         summary = json.load(open(os.path.join(run_dir, "summary.json"), encoding="utf-8"))
+    elif os.path.exists(os.path.join(run_dir, "result.json")):   # an RL run's held-out eval: RUN_DIR/eval/step_N
+        summary = json.load(open(os.path.join(run_dir, "result.json"), encoding="utf-8")).get("summary", {})
     rows = {}
     if os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
         for r in read_jsonl(os.path.join(run_dir, "metrics.jsonl")):
@@ -349,7 +351,7 @@ openHash();
 window.addEventListener('hashchange', openHash);"""
 
 
-def render(run_dir, tokenizer_path=None, steps_spec="", max_steps=20, max_mb=100, top=20):
+def render(run_dir, tokenizer_path=None, steps_spec="", max_steps=20, max_mb=50, top=20):
     kind, rows, summary, files = load_run(run_dir)
     tokenizer, source = find_tokenizer(run_dir, tokenizer_path, summary) if files else (None, "not needed")
     sizes = {s: sum(map(data_size, paths)) for s, paths in files.items()}
@@ -367,6 +369,10 @@ def render(run_dir, tokenizer_path=None, steps_spec="", max_steps=20, max_mb=100
             info.append(f"held-out accuracy {when} RL: {summary[when]['accuracy']:.3f}")
     if kind == "rl" and not files:
         info.append("no trajectories kept (rl.py --save_trajectories N keeps N groups per step)")
+    evals = sorted(glob.glob(os.path.join(run_dir, "eval", "step_*")))
+    if evals:
+        info.append("held-out evaluations: <code>python scripts/view.py " + html.escape(os.path.join(
+            run_dir, "eval", "step_N")) + "</code> for N in " + ", ".join(os.path.basename(e)[5:] for e in evals))
     name = html.escape(os.path.basename(os.path.abspath(run_dir)))
     parts = [f'<!DOCTYPE html><html><head><meta charset="utf-8"><title>{name}</title><style>{CSS}</style></head>'
              f"<body><h1>{name}</h1>",
@@ -385,7 +391,7 @@ def main(argv=None):
     ap.add_argument("--tokenizer", help="a tokenizer dir or hub id (default: found from the run)")
     ap.add_argument("--steps", default="", help="steps to show, e.g. 1,5,10-20 (default: all, up to --max_steps)")
     ap.add_argument("--max_steps", type=int, default=20, help="at most this many steps, spread evenly")
-    ap.add_argument("--max_mb", type=float, default=100, help="fewer steps while their trajectories exceed this")
+    ap.add_argument("--max_mb", type=float, default=50, help="fewer steps while their trajectories exceed this")
     ap.add_argument("--top", type=int, default=20, help="tokens outlined per trajectory by |trainer - sampler|")
     args = ap.parse_args(argv)
     if not os.path.isdir(args.run_dir):
