@@ -1,20 +1,26 @@
 """confine.py: the Linux calls a sandbox run locks itself down with, through ctypes (stdlib only):
 a seccomp BPF program assembled here, a Landlock ruleset, a private mount namespace (host read-only,
-a tmpfs quota), every capability dropped, a pids cgroup. sandbox.py decides the order (its
-docstring) and fails closed when missing_layer() names what this machine lacks.
+a tmpfs quota; through a user namespace of its own when not root), every capability dropped, a pids
+cgroup. The floor (seccomp, rlimits, no capabilities) runs anywhere; detect() finds out once, in a
+fresh process, which further layers this machine grants and, for each it refuses, who refused it.
+sandbox.py decides the order (its docstring).
 """
 import contextlib
 import ctypes
 import errno
+import fcntl
+import json
 import math
 import os
 import platform
+import resource
 import socket
 import struct
 import sys
 import sysconfig
+import tempfile
 
-MAX_FILES = 4096                   # inodes in a run's tmpfs
+MAX_FILES = 4096                   # inodes in a run's tmpfs, files in its polled working directory
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
@@ -42,25 +48,41 @@ sched_setparam 142 118 sched_setattr 314 274 nfsservctl 180 42 fanotify_init 300
 prctl 157 167 shmget 29 194 shmat 30 196 shmctl 31 195 shmdt 67 197 semget 64 190
 semop 65 193 semctl 66 191 semtimedop 220 192 msgget 68 186 msgsnd 69 189 msgrcv 70 188
 msgctl 71 187 mq_open 240 180 mq_unlink 241 181 mq_timedsend 242 182 mq_timedreceive 243 183
-mq_notify 244 184 mq_getsetattr 245 185""".split()
+mq_notify 244 184 mq_getsetattr 245 185 inotify_init 253 - inotify_init1 294 26
+inotify_add_watch 254 27 flock 73 32 fcntl 72 25 ioctl 16 29 chmod 90 - fchmod 91 52 fchmodat 268 53
+fchmodat2 452 452 chown 92 - fchown 93 55 lchown 94 - fchownat 260 54 utime 132 - utimes 235 -
+futimesat 261 - utimensat 280 88 setxattr 188 5 lsetxattr 189 6 fsetxattr 190 7 removexattr 197 14
+lremovexattr 198 15 fremovexattr 199 16 setxattrat 463 463 removexattrat 466 466 truncate 76 45""".split()
 _SYSCALLS = {arch: {name: int(nr) for name, nr in zip(_TABLE[::3], _TABLE[column::3]) if nr != "-"}
              for column, arch in ((1, "x86_64"), (2, "aarch64"))}
+# What the read-only mounts stop on host files (a run's uid may own them: root owns /usr), refused
+# by seccomp where there is no mount namespace, in the working directory too.
+METADATA = set("""chmod fchmod fchmodat fchmodat2 chown fchown lchown fchownat utime utimes futimesat utimensat
+setxattr lsetxattr fsetxattr removexattr lremovexattr fremovexattr setxattrat removexattrat truncate""".split())
 _AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
 _NR_LANDLOCK_CREATE, _NR_LANDLOCK_ADD_RULE, _NR_LANDLOCK_RESTRICT = 444, 445, 446
 # BPF and seccomp constants (linux/filter.h, linux/seccomp.h), prctl options, Landlock rights.
 _LD, _JEQ, _JGE, _AND, _RET = 0x20, 0x15, 0x35, 0x54, 0x06
 _ALLOW, _ERRNO, _KILL_PROCESS = 0x7FFF0000, 0x00050000, 0x80000000
 _CLONE_THREAD, _CLONE_NEW = 0x00010000, 0x7E020080   # NEW{NS,CGROUP,UTS,IPC,USER,PID,NET,TIME}
+_CLONE_NEWNS, _CLONE_NEWUSER = 0x00020000, 0x10000000
 _OWN, _GROUP = "own", "group"      # the run's pid and -pid, filled in by each child
-PR_SET_PDEATHSIG, _PR_CAPBSET_DROP, _PR_SET_SECCOMP, _PR_SET_SECUREBITS = 1, 24, 22, 28
+# fcntl: record locks, OFD locks, leases (a lock or lease on a readable host file holds up the host's
+# own opens and locks), F_NOTIFY (dnotify on host directories), F_SETOWN/F_SETSIG (signals to any
+# process of the uid), F_SETPIPE_SZ (pipe pages count against a quota the uid shares with the host).
+_FCNTL_REFUSED = (6, 7, 8, 10, 15, 37, 38, 1024, 1026, 1031)
+_IOCTL_REFUSED = (0x8901, 0x8902)  # FIOSETOWN, SIOCSPGRP: the same owner as F_SETOWN
+PR_SET_PDEATHSIG, PR_SET_DUMPABLE, _PR_CAPBSET_DROP, _PR_SET_SECCOMP, _PR_SET_SECUREBITS = 1, 4, 24, 22, 28
 PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS, _PR_CAP_AMBIENT = 36, 38, 47
+_CAP_SETPCAP, _CAP_SYS_ADMIN = 8, 21
 _LL_EXECUTE, _LL_WRITE, _LL_READ, _LL_READ_DIR, _LL_MAKE_CHAR, _LL_MAKE_BLOCK = 1, 2, 4, 8, 64, 2048
 _LL_REFER, _LL_TRUNCATE, _LL_IOCTL_DEV = 8192, 16384, 32768   # ABI 2, 3, 5
 
 
 def _check(ret: int, what: str) -> int:
     if ret == -1:
-        raise OSError(ctypes.get_errno(), f"{what}: {os.strerror(ctypes.get_errno())}")
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {errno.errorcode.get(err, err)} ({os.strerror(err)})")
     return ret
 
 
@@ -73,8 +95,9 @@ def prctl(option: int, a2: int = 0, a3: int = 0) -> int:
     return _check(_libc.prctl(*map(ctypes.c_ulong, (option, a2, a3, 0, 0))), f"prctl({option})")
 
 
-def seccomp_filter() -> list:
-    """The filter as (code, jt, jf, k) tuples; k may be _OWN or _GROUP, set per child."""
+def seccomp_filter(metadata: bool) -> list:
+    """The filter as (code, jt, jf, k) tuples; k may be _OWN or _GROUP, set per child. `metadata`:
+    refuse METADATA too (no read-only mounts to stop them on host files)."""
     deny, allow = (_RET, 0, 0, _ERRNO | errno.EPERM), (_RET, 0, 0, _ALLOW)
     prog = [(_LD, 0, 0, 4), (_JEQ, 1, 0, _AUDIT_ARCH[ARCH]), (_RET, 0, 0, _KILL_PROCESS), (_LD, 0, 0, 0)]
     if ARCH == "x86_64":       # x32 ABI numbers have bit 30 set: refuse them all
@@ -83,8 +106,8 @@ def seccomp_filter() -> list:
     def arg(index):             # seccomp_data.args[index], its low 32 bits (little-endian)
         return (_LD, 0, 0, 16 + 8 * index)
 
-    def only(index, *values):   # allowed when argument `index` is one of `values`
-        return [arg(index), *[(_JEQ, len(values) - i, 0, v) for i, v in enumerate(values)], deny, allow]
+    def only(index, *values, outcomes=(deny, allow)):   # allowed when argument `index` is one of `values`
+        return [arg(index), *[(_JEQ, len(values) - i, 0, v) for i, v in enumerate(values)], *outcomes]
 
     rules = {"clone3": [(_RET, 0, 0, _ERRNO | errno.ENOSYS)],     # glibc falls back to clone()
              "clone": [arg(0), (_AND, 0, 0, _CLONE_THREAD | _CLONE_NEW), (_JEQ, 1, 0, _CLONE_THREAD), deny, allow],
@@ -93,13 +116,16 @@ def seccomp_filter() -> list:
                             (_JEQ, 1, 0, socket.SOCK_STREAM), deny, allow],
              "kill": only(0, 0, _OWN, _GROUP),
              # Clearing the parent-death signal would let a sleeping run outlive its worker.
-             "prctl": [arg(0), (_JEQ, 0, 1, PR_SET_PDEATHSIG), deny, allow]}
+             "prctl": [arg(0), (_JEQ, 0, 1, PR_SET_PDEATHSIG), deny, allow],
+             "fcntl": only(1, *_FCNTL_REFUSED, outcomes=(allow, deny)),
+             "ioctl": only(1, *_IOCTL_REFUSED, outcomes=(allow, deny))}
     rules.update({name: only(0, _OWN) for name in ("tgkill", "rt_sigqueueinfo", "rt_tgsigqueueinfo")})
     rules.update({name: only(0, 0, _OWN) for name in ("prlimit64", "sched_setaffinity", "sched_setscheduler",
                                                       "sched_setparam", "sched_setattr")})
     for name, number in _SYSCALLS[ARCH].items():
-        block = rules.get(name, [deny])
-        prog += [(_JEQ, 0, len(block), number), *block]
+        if metadata or name not in METADATA:
+            block = rules.get(name, [deny])
+            prog += [(_JEQ, 0, len(block), number), *block]
     return prog + [allow]
 
 
@@ -130,7 +156,9 @@ class Landlock:
             "null", "full")] + [(f"/dev/{name}", _LL_READ) for name in ("zero", "urandom", "random")]
         self.fds, self.rules = [], []
         for path, rights in filter(lambda item: os.path.exists(item[0]), wanted):
-            self.fds.append(os.open(path, os.O_PATH | os.O_CLOEXEC))
+            fd = os.open(path, os.O_PATH | os.O_CLOEXEC)      # above 0-3, which a child's pipes take
+            self.fds.append(fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 10))
+            os.close(fd)
             self.rules.append((rights & self.handled & (~0 if os.path.isdir(path) else rw | _LL_EXECUTE), self.fds[-1]))
 
     def install(self) -> None:
@@ -146,10 +174,19 @@ class Landlock:
             os.close(fd)
 
 
-def enter_mount_namespace(workdir: str, disk_mb: float) -> None:
+def enter_mount_namespace(workdir: str, disk_mb: float, userns: bool) -> None:
     """Every mount read-only, nosuid and private (a shared "/" would propagate our tmpfs to
-    the host) in one recursive mount_setattr, then a fresh tmpfs on the working directory."""
-    _check(_libc.unshare(0x00020000), "unshare(CLONE_NEWNS)")
+    the host) in one recursive mount_setattr, then a fresh tmpfs on the working directory.
+    `userns`: first a user namespace of our own (uid and gid mapped to themselves), in which
+    we may mount without privileges on the host, and where RLIMIT_NPROC counts only this run."""
+    if userns:
+        uid, gid = os.geteuid(), os.getegid()
+        _check(_libc.unshare(_CLONE_NEWUSER | _CLONE_NEWNS), "unshare(CLONE_NEWUSER|CLONE_NEWNS)")
+        for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
+            with open(f"/proc/self/{name}", "w") as f:
+                f.write(text)
+    else:
+        _check(_libc.unshare(_CLONE_NEWNS), "unshare(CLONE_NEWNS)")
     attr = ctypes.create_string_buffer(struct.pack("QQQQ", 1 | 2, 0, 1 << 18, 0), 32)
     _syscall(_SYSCALLS[ARCH]["mount_setattr"], -100, ctypes.create_string_buffer(b"/"), 0x8000, attr, 32,
              what="mount_setattr")                           # AT_FDCWD, AT_RECURSIVE
@@ -158,12 +195,20 @@ def enter_mount_namespace(workdir: str, disk_mb: float) -> None:
     os.chdir(workdir)                                          # into the tmpfs, not beneath it
 
 
+def has_capability(cap: int) -> bool:
+    sets = (ctypes.c_uint32 * 6)()     # effective, permitted, inheritable; low then high 32 bits
+    _check(_libc.capget(struct.pack("Ii", 0x20080522, 0), sets), "capget")
+    return bool((sets[0] | sets[3] << 32) >> cap & 1)
+
+
 def drop_capabilities(last_cap: int) -> None:
     """Every capability gone for good: root's special treatment locked off (an exec could
-    not regain them), bounding and ambient sets emptied, then the rest."""
-    prctl(_PR_SET_SECUREBITS, 0xEF)   # NOROOT, NO_SETUID_FIXUP, NO_CAP_AMBIENT_RAISE + locks
-    for cap in range(last_cap + 1):
-        prctl(_PR_CAPBSET_DROP, cap)
+    not regain them), bounding and ambient sets emptied, then the rest. The first two need
+    CAP_SETPCAP; without any capability and with no_new_privs there is nothing to regain."""
+    if has_capability(_CAP_SETPCAP):
+        prctl(_PR_SET_SECUREBITS, 0xEF)   # NOROOT, NO_SETUID_FIXUP, NO_CAP_AMBIENT_RAISE + locks
+        for cap in range(last_cap + 1):
+            prctl(_PR_CAPBSET_DROP, cap)
     prctl(_PR_CAP_AMBIENT, 4)         # PR_CAP_AMBIENT_CLEAR_ALL
     _check(_libc.capset(struct.pack("Ii", 0x20080522, 0), bytes(24)), "capset")   # version 3
 
@@ -178,20 +223,26 @@ def readable_paths() -> list:
 
 
 def pids_cgroup() -> tuple:
-    """(directory, version) where this process may create pids cgroups: its own cgroup of
+    """(directory, version, why not) where this process may create pids cgroups: its own cgroup of
     the v1 pids hierarchy, else of cgroup2 when pids is delegated to its children."""
     try:
         paths = dict(line.rstrip("\n").split(":", 2)[1:] for line in open("/proc/self/cgroup"))
-    except OSError:
-        return None, None
+    except OSError as exc:
+        return None, None, f"/proc/self/cgroup: {exc.strerror}"
     candidates = [("/sys/fs/cgroup/pids" + paths.get("pids", "/").rstrip("/"), "v1", "cgroup.procs")] + [
         (root + paths.get("", "/").rstrip("/"), "v2", "cgroup.subtree_control")
         for root in ("/sys/fs/cgroup", "/sys/fs/cgroup/unified")]
-    for directory, version, probe in candidates:
-        with contextlib.suppress(OSError):
-            if os.access(directory, os.W_OK) and (version == "v1" or "pids" in open(f"{directory}/{probe}").read()):
-                return directory, version
-    return None, None
+    why = []
+    for directory, version, probe in filter(lambda c: os.path.isfile(f"{c[0]}/{c[2]}"), candidates):
+        if os.statvfs(directory).f_flag & os.ST_RDONLY:
+            why.append(f"{directory} is on a read-only mount")
+        elif not os.access(directory, os.W_OK):
+            why.append(f"{directory} is not writable by uid {os.geteuid()}")
+        elif version == "v2" and "pids" not in open(f"{directory}/{probe}").read():
+            why.append(f"pids is not delegated below {directory} (cgroup.subtree_control)")
+        else:
+            return directory, version, None
+    return None, None, "; ".join(why) or "no pids cgroup hierarchy is mounted"
 
 
 def available_cores() -> int:
@@ -206,10 +257,67 @@ def available_cores() -> int:
 
 
 def missing_layer() -> str | None:
-    """What this machine lacks of the layers a run needs (the probe run checks the rest)."""
+    """What this machine lacks of the floor: without it no run is confined at all."""
     return (not sys.platform.startswith("linux") and "Linux") or \
-        (ARCH not in _SYSCALLS and f"a seccomp filter for {ARCH}") or \
-        (os.geteuid() != 0 and "root (a private mount namespace needs CAP_SYS_ADMIN)") or \
-        (not landlock_abi() and "Landlock (Linux 5.13+, landlock in the lsm= list)") or \
-        (not hasattr(os, "pidfd_open") and "pidfd_open (Linux 5.3+)") or \
-        (not pids_cgroup()[0] and "a writable pids cgroup (v1, or cgroup2 with pids delegated)") or None
+        (ARCH not in _SYSCALLS and f"a seccomp filter for {ARCH}") or None
+
+
+def _refusal(exc: OSError, number: int, cap: int | None = None) -> str:
+    """Why a call failed: its errno and, when that can be told, who refused it. A seccomp filter
+    answers before the kernel reads any argument, so it refuses the same call with invalid ones,
+    which the kernel itself would answer EINVAL."""
+    why = [str(exc.strerror or exc)]
+    if _libc.syscall(ctypes.c_long(number), *[ctypes.c_long(-1)] * 5) == -1 and \
+            ctypes.get_errno() in (errno.EPERM, errno.EACCES, errno.ENOSYS):
+        why.append(f"refused by a seccomp filter on this process (the container's profile?)")
+    if cap is not None and not has_capability(cap):
+        why.append("this process lacks CAP_SYS_ADMIN")
+    return ", ".join(why)
+
+
+def _try_mount(userns: bool) -> dict:
+    """In a child: a mount namespace as a run enters it (and whether RLIMIT_NPROC then binds)."""
+    read, write = os.pipe()
+    directory = tempfile.mkdtemp(prefix="sandbox-detect-")
+    if (pid := os.fork()) == 0:
+        found = {"why": None, "nproc": False}
+        try:
+            enter_mount_namespace(directory, 1, userns)
+            os.setpgid(0, 0)
+            resource.setrlimit(resource.RLIMIT_NPROC, (1, 1))
+            try:
+                if os.fork() == 0:
+                    os._exit(0)
+            except OSError:
+                found["nproc"] = True     # this process is the one task its count allows
+        except OSError as exc:
+            nr = _SYSCALLS[ARCH]["mount_setattr" if "mount_setattr" in str(exc) else "unshare"]
+            found["why"] = _refusal(exc, nr, None if userns else _CAP_SYS_ADMIN)
+        os.write(write, json.dumps(found).encode())
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as f:
+        found = json.loads(f.read() or '{"why": "the test child died"}')
+    os.waitpid(pid, 0)
+    os.rmdir(directory)
+    return found
+
+
+def detect() -> dict:
+    """Which optional layers this machine grants, each tried as a run uses it, and why not those it
+    refuses. It forks: sandbox.grants() runs it in a fresh process (`python -I confine.py`)."""
+    found = {"landlock": landlock_abi(), "landlock_why": None}
+    if not found["landlock"]:
+        try:
+            _syscall(_NR_LANDLOCK_CREATE, 0, 0, 1, what="landlock_create_ruleset")
+        except OSError as exc:
+            hint = {errno.ENOSYS: "; no Landlock in this kernel?", errno.EOPNOTSUPP: "; add landlock to lsm= at boot"}
+            found["landlock_why"] = _refusal(exc, _NR_LANDLOCK_CREATE) + hint.get(exc.errno, "")
+    cgroup, version, found["cgroup_why"] = pids_cgroup()
+    found["cgroup"] = cgroup and [cgroup, version]
+    found["mount_root"], found["mount_user"] = _try_mount(False), _try_mount(True)
+    return found
+
+
+if __name__ == "__main__":
+    print(json.dumps(detect()))

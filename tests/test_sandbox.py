@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import platform
+import re
 import secrets
 import shutil
 import signal
@@ -181,18 +182,37 @@ def test_capabilities_are_in_force(caps):
     assert caps["worker_threads"] == 1                # forking a threaded worker is unsafe
 
 
-@pytest.mark.parametrize("patch,named", [
-    (("landlock_abi", lambda: 0), "Landlock"), (("pids_cgroup", lambda: (None, None)), "pids cgroup"),
-    (("ARCH", "riscv64"), "seccomp filter for riscv64")])
-def test_a_missing_layer_stops_the_pool(monkeypatch, patch, named):
-    monkeypatch.setattr(confine, *patch)              # fail closed, naming what is missing
-    with pytest.raises(RuntimeError, match=named):
-        Sandbox(workers=1)
+def granted(**changes):
+    """What grants() found here, with some layers refused as a machine without them would."""
+    found = dict(sandbox.grants(), **changes)
+    return lambda: found
 
 
-def test_not_root_stops_the_pool(monkeypatch):
-    monkeypatch.setattr(sandbox.os, "geteuid", lambda: 1000)
-    with pytest.raises(RuntimeError, match="root"):
+NO_LANDLOCK = {"landlock": 0, "landlock_why": "landlock_create_ruleset: EPERM (simulated)"}
+NO_MOUNT = {"mount_root": {"why": "unshare(CLONE_NEWNS): EPERM (simulated)", "nproc": False},
+            "mount_user": {"why": "unshare(CLONE_NEWUSER|CLONE_NEWNS): EPERM (simulated)", "nproc": False}}
+NO_CGROUP = {"cgroup": None, "cgroup_why": "/sys/fs/cgroup/pids is on a read-only mount (simulated)"}
+
+
+@pytest.mark.parametrize("refused,layer", [(NO_LANDLOCK, "landlock"), (NO_MOUNT, "mount"), (NO_CGROUP, "tasks")])
+def test_a_missing_layer_is_named_and_require_all_stops_the_pool(monkeypatch, refused, layer, capfd):
+    monkeypatch.setattr(sandbox, "grants", granted(**refused))
+    named = re.escape(sandbox.LAYERS[layer] + " [") + ".*simulated"
+    for require in ("all", layer, "floor," + layer):       # fail closed, naming what is missing and why
+        with pytest.raises(RuntimeError, match=f"require={require!r}.*{named}"):
+            Sandbox(workers=1, require=require)
+    with pytest.raises(ValueError):
+        Sandbox(workers=1, require="landlok")
+    with Sandbox(workers=1, preimport=(), require="floor") as pool:    # the floor starts, and says so
+        line = pool.wait_ready()
+        assert line == pool.description and capfd.readouterr().err.count(line) == 1
+        assert re.search("not in force: .*" + named, line), line
+        assert pool.run("print(1)").stdout == "1\n"
+
+
+def test_unsupported_machine_stops_the_pool(monkeypatch):
+    monkeypatch.setattr(confine, "ARCH", "riscv64")
+    with pytest.raises(RuntimeError, match="seccomp filter for riscv64"):
         Sandbox(workers=1)
 
 
@@ -200,7 +220,8 @@ def test_exit_codes_and_statuses(box):
     cases = [("print('hi')", "ok", 0), ("import sys; sys.exit(3)", "error", 3),
              ("import os; os._exit(7)", "error", 7), ("raise SystemExit('bye')", "error", 1),
              ("1/0", "error", 1), ("import sys; sys.exit(0)", "ok", 0), ("x = (", "error", 1),
-             ("raise KeyboardInterrupt", "error", 1), ("import os; os.abort()", "killed", -6)]
+             ("raise KeyboardInterrupt", "error", 1), ("import os; os.abort()", "killed", -6),
+             ("import os; os._exit(0)", "error", 0)]     # exit 0, but not through the code's end
     results = box.run_many([c for c, _, _ in cases], timeout=5)
     for (code, status, rc), r in zip(cases, results):
         assert (r.status, r.returncode) == (status, rc), (code, r)
@@ -424,7 +445,7 @@ def test_no_inherited_descriptors_and_parent_death_signal_kept(box):
             "libc = ctypes.CDLL(None, use_errno=True)\n"
             "print(open_fds, libc.prctl(1, 0, 0, 0, 0), ctypes.get_errno())")   # PR_SET_PDEATHSIG
     r, _ = attack(box, code, timeout=5)
-    assert r.stdout == f"[0, 1, 2] -1 {errno.EPERM}\n", r
+    assert r.stdout == f"[0, 1, 2, 3] -1 {errno.EPERM}\n", r      # 3: the epilogue's pipe
 
 
 def test_pool_worker_killed_from_outside(box):
