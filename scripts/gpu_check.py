@@ -49,13 +49,13 @@ TEMPLATE = os.path.join(ROOT, "tests", "fixtures", "qwen3_instruct_2507_chat_tem
 # small: the comparison checkpoint (data/tiny.py overrides); logits: batch x length of the logits checks;
 # gen: prompts (count, shortest, longest) and new tokens of the generate checks; bench: the decode bench's shape,
 # batches, prompt and new tokens (transformers: hf_new, capped); base: the torchrun steps' model, RL prompt and
-# response tokens, SFT record tokens, each step's timeout in seconds
+# response tokens, SFT record tokens
 PLANS = {
     "cuda": dict(small=dict(QWEN3_06B, num_hidden_layers=4, **QWEN_ROPE), logits=(4, 512), gen=(8, 16, 200, 48),
                  bench=QWEN3_4B, batches=(64, 256), prompt=128, new=128, hf_new={64: 64, 256: 32},
-                 base=QWEN3_06B, rl_prompt=2000, rl_response=2048, sft_tokens=(4500, 5500), timeout=240),
+                 base=QWEN3_06B, rl_prompt=2000, rl_response=2048, sft_tokens=(4500, 5500)),
     "cpu": dict(small={}, logits=(2, 64), gen=(4, 8, 40, 16), bench=TINY, batches=(2, 4), prompt=16, new=8,
-                hf_new={2: 8, 4: 8}, base={}, rl_prompt=24, rl_response=32, sft_tokens=(200, 300), timeout=150),
+                hf_new={2: 8, 4: 8}, base={}, rl_prompt=24, rl_response=32, sft_tokens=(150, 300)),
 }
 
 
@@ -66,6 +66,7 @@ class Config:
     rows: str = ""                    # comma-separated row names to run ("": all)
     work: str = ""                    # checkpoints and runs ("": a temporary directory, removed at the end)
     keep: bool = False                # keep the work directory
+    budget: int = 460                 # seconds for the whole run: a torchrun step still going then is killed
 
 
 class Skip(Exception):
@@ -92,10 +93,6 @@ def free(device):
         torch.cuda.reset_peak_memory_stats(device)
 
 
-def peak_gib(device):
-    return round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None
-
-
 def flash_error():
     """None if flash-attn's two kernels import, else the import error's text."""
     try:
@@ -115,14 +112,14 @@ def environment(device):
         env.update(gpu=p.name, gpu_memory_gib=round(p.total_memory / 2**30, 1), capability=f"{p.major}.{p.minor}")
     err = flash_error()
     env["flash_attn"] = "importable" if err is None else f"not importable ({err})"
-    if hasattr(model_py, "attention_path"):  # model.py's own one-line answer, for the bf16 the stages train in
-        env["attention, bf16"] = model_py.attention_path("auto", device, torch.bfloat16)
-        env["attention, fp32"] = model_py.attention_path("auto", device, torch.float32)
-    else:
-        flash = model_py.flash_attn_varlen_func is not None and device.type == "cuda"
-        env["attention, bf16"] = "flash-attn (varlen; paged KV decode, 256-token blocks, CUDA graphs)" if flash else \
-            f"torch SDPA; rollout KV blocks of 16, no CUDA graphs ({'CPU' if device.type == 'cpu' else err})"
-        env["attention, fp32"] = "torch SDPA"
+    for dtype in (torch.bfloat16, torch.float32):  # model.py's own one-line answer where it has one
+        try:
+            line = model_py.attention_path("auto", device, dtype)
+        except Exception:
+            flash = model_py.flash_attn_varlen_func is not None and device.type == "cuda" and dtype != torch.float32
+            line = "flash-attn (varlen; paged KV decode in 256-token blocks, CUDA graphs)" if flash else \
+                f"torch SDPA; rollout KV blocks of 16, no CUDA graphs ({err if device.type == 'cuda' else 'CPU'})"
+        env[f"attention, {str(dtype)[6:]}"] = line
     return env
 
 
@@ -175,13 +172,11 @@ def small_checkpoint(plan, cache):
     return cache["small"]
 
 
-def load_hf(path, device, dtype):
-    from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
-
-
 def load_pair(path, device, dtype):
-    return Transformer.from_pretrained(path, device=device, dtype=dtype), load_hf(path, device, dtype)
+    """The checkpoint as model.py's Transformer and as transformers' Qwen3ForCausalLM."""
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    return Transformer.from_pretrained(path, device=device, dtype=dtype), hf
 
 
 # ---------------------------------------------------------------- the rows
@@ -200,7 +195,7 @@ def check_logits(plan, device, cache, dtype):
             return dict(out, ok=diff <= 1e-3,
                         result=f"max |diff| {diff:.2e} (tolerance 1e-3; {B}x{T} tokens, ours {attn})")
         del ours, hf
-        ref = load_hf(path, device, torch.float32)(ids).logits.float()   # transformers in fp32: the reference
+        ref = load_pair(path, device, torch.float32)[1](ids).logits.float()  # transformers in fp32: the reference
         err_ours, err_hf = float((a - ref).abs().max()), float((b - ref).abs().max())
     return dict(out, ok=err_ours <= 2 * err_hf + 1e-3, err_ours_vs_fp32=err_ours, err_hf_vs_fp32=err_hf,
                 result=f"max |diff| {diff:.2e}; against fp32 transformers: ours {err_ours:.2e}, transformers "
@@ -316,24 +311,24 @@ def check_decode(plan, device, cache, batch):
     ours, hf = bench_models(plan, device, cache)
     P, N, hf_new = plan["prompt"], plan["new"], plan["hf_new"][batch]
     prompts = torch.randint(0, ours.config.vocab_size, (batch, P), generator=torch.Generator().manual_seed(4)).tolist()
-    engine = rollout.Engine(ours, max_seq_lens=[P + N] * batch)
-    rates = {}
+    engine, rates, cuda = rollout.Engine(ours, max_seq_lens=[P + N] * batch), {}, device.type == "cuda"
     for name, run, n in (("ours", lambda k: rollout.generate(ours, prompts, k, engine=engine), N),
                          ("transformers", lambda k: hf_generate(hf, prompts, k), hf_new)):
         run(2)  # warm-up: kernels, and the CUDA graph of this batch bucket
-        if device.type == "cuda":
+        if cuda:
             torch.cuda.reset_peak_memory_stats(device)
         _, t1 = timed(lambda: run(1), device)   # the prefill and the first token
         out, tn = timed(lambda: run(n), device)
         rates[name] = dict(decode=batch * (n - 1) / (tn - t1), end_to_end=batch * n / tn, new_tokens=n,
-                           seconds=round(tn, 2), peak_gib=peak_gib(device), tokens=out)
+                           seconds=round(tn, 2), tokens=out,
+                           peak_gib=round(torch.cuda.max_memory_allocated(device) / 2**30, 1) if cuda else None)
     a, b = rates["ours"].pop("tokens"), rates["transformers"].pop("tokens")
     same = sum(x[:hf_new] == y for x, y in zip(a, b))
     pool = engine.num_blocks * engine.blocks.block_size
     path = engine_path(engine)
     del engine
     auto = None
-    if device.type == "cuda":  # the pool an Engine takes with no workload given
+    if cuda:  # the pool an Engine takes with no workload given
         free(device)
         engine = rollout.Engine(ours)
         auto = engine.num_blocks * engine.blocks.block_size
@@ -397,15 +392,13 @@ def torchrun(script, args, out_dir, timeout, device):
         return rc, time.perf_counter() - t0, f.read()[-3000:]
 
 
-def last_metrics(out_dir, event):
+def run_step(script, args, out_dir, event, cache, device, reserve=0):
+    """torchrun script, killed `reserve` seconds before the run's deadline; (wall seconds, the last `event` line of
+    its metrics.jsonl)."""
+    rc, wall, tail = torchrun(script, args, out_dir, max(30, cache["deadline"] - reserve - time.time()), device)
     path = os.path.join(out_dir, "metrics.jsonl")
     lines = [json.loads(line) for line in open(path)] if os.path.exists(path) else []
-    return next((r for r in reversed(lines) if r.get("event") == event), None)
-
-
-def run_step(script, args, out_dir, event, plan, device):
-    rc, wall, tail = torchrun(script, args, out_dir, plan["timeout"], device)
-    record = last_metrics(out_dir, event)
+    record = next((r for r in reversed(lines) if r.get("event") == event), None)
     if rc != 0 or record is None:
         raise RuntimeError(f"{script} exited {rc} after {wall:.0f} s, metrics line: {record is not None}; "
                            f"log tail:\n{tail}")
@@ -431,7 +424,7 @@ def check_rl(plan, device, cache):
     args = [f"--model={path}", f"--data={data}", "--eval_data=", f"--out_dir={out}", "--steps=1",
             "--prompts_per_step=2", "--samples_per_prompt=4", "--mini_batch_prompts=2", f"--max_response_tokens={R}",
             f"--overlong_buffer={R // 4}", "--save_every=0", "--log_samples=0", "--resume=false"]
-    wall, rec = run_step("rl.py", args, out, "step", plan, device)
+    wall, rec = run_step("rl.py", args, out, "step", cache, device, reserve=100)
     t, mem = rec.get("time", {}), rec.get("memory_gib") or {}
     prompt_len = len(tok.encode(problems[0]["prompt"]))
     return dict(wall_seconds=round(wall, 1), time=t, memory_gib=mem, kv_pool_tokens=rec.get("kv_pool_tokens"),
@@ -480,7 +473,7 @@ def check_sft(plan, device, cache):
     args = [f"--model={path}", f"--data={data}", f"--out_dir={out}", "--epochs=1", "--batch_size=2", "--max_steps=1",
             "--eval_size=0", f"--max_len={max_len}", f"--micro_batch_tokens={2 * max_len}", "--save_every=0",
             "--progress=false"]
-    wall, rec = run_step("sft.py", args, out, "train", plan, device)
+    wall, rec = run_step("sft.py", args, out, "train", cache, device)
     peak = rec.get("peak_memory_gib")
     return dict(wall_seconds=round(wall, 1), record_tokens=lengths, step_seconds=rec.get("seconds"),
                 tokens=rec.get("tokens"), peak_memory_gib=peak, model=cache["base_note"],
@@ -529,14 +522,16 @@ def table(results):
 def main(argv):
     import shutil
     args = parse_config(Config, argv, __doc__)
-    device = torch.device("cuda" if torch.cuda.is_available() and not args.cpu else "cpu")
+    cuda = torch.cuda.is_available() and not args.cpu
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     plan, t0 = PLANS[device.type], time.perf_counter()
     env = environment(device)
     for k, v in env.items():
         print(f"{k}: {v}", flush=True)
     work = args.work or tempfile.mkdtemp(prefix="gpu_check_")
     os.makedirs(work, exist_ok=True)
-    cache, results, wanted = {"work": work}, [], set(filter(None, args.rows.split(",")))
+    cache, results = dict(work=work, deadline=time.time() + args.budget), []
+    wanted = set(filter(None, args.rows.split(",")))
     for name, label, fn, *extra in rows(plan, device):
         if wanted and name not in wanted:
             continue
