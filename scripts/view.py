@@ -152,15 +152,20 @@ def response_blocks(text, tool_calls):
             blocks.append(("text", part, None))
             continue
         body = part[len("<tool_call>"):].removesuffix("</tool_call>").strip()
-        try:
-            args = json.loads(body).get("arguments", {})
-            code = (json.loads(args) if isinstance(args, str) else args).get("code", body)
-        except (ValueError, AttributeError):
+        try:   # the code of a code_interpreter call; another tool's call as its JSON
+            call = json.loads(body)
+            args = json.loads(call["arguments"]) if isinstance(call["arguments"], str) else call["arguments"]
+            code = args["code"] if call.get("name") == "code_interpreter" else body
+        except (ValueError, TypeError, KeyError):
             code = body
         mine = [c for c in tool_calls if c.get("turn") == turn]
         k = taken[turn] = taken.get(turn, -1) + 1
         blocks.append(("call", str(code), mine[k] if k < len(mine) else None))
     return blocks
+
+
+def plural(n, one, many=None):
+    return f"{n} {one if n == 1 else many or one + 's'}"
 
 
 def fmt(v, spec="+.3f"):
@@ -169,7 +174,7 @@ def fmt(v, spec="+.3f"):
 
 def chart(name, points, extra=()):
     """A small inline SVG line chart of [(step, value)]; extra: [(step, value)] drawn as orange points."""
-    w, h, left, right, top, bottom = 300, 150, 46, 10, 20, 24
+    w, h, left, right, top, bottom = 300, 150, 50, 10, 20, 24
     pts = [(s, v) for s, v in points if isinstance(v, (int, float))]
     allp = pts + list(extra)
     x0, x1 = min(s for s, _ in allp), max(s for s, _ in allp)
@@ -181,8 +186,8 @@ def chart(name, points, extra=()):
     out = [f'<svg class="chart" width="{w}" height="{h}" viewBox="0 0 {w} {h}">',
            f'<text x="{left}" y="13" class="ct">{html.escape(name)}</text>',
            f'<rect x="{left}" y="{top}" width="{w - left - right}" height="{h - top - bottom}" class="frame"></rect>',
-           f'<text x="{left - 3}" y="{top + 8}" class="ax" text-anchor="end">{y1:.4g}</text>',
-           f'<text x="{left - 3}" y="{h - bottom}" class="ax" text-anchor="end">{y0:.4g}</text>',
+           f'<text x="{left - 3}" y="{top + 8}" class="ax" text-anchor="end">{y1:.3g}</text>',
+           f'<text x="{left - 3}" y="{h - bottom}" class="ax" text-anchor="end">{y0:.3g}</text>',
            f'<text x="{left}" y="{h - 8}" class="ax">{x0}</text>',
            f'<text x="{w - right}" y="{h - 8}" class="ax" text-anchor="end">step {x1}</text>']
     if pts:
@@ -232,7 +237,7 @@ def trajectory(rec, key, tokenizer, cache, top):
         bits.append(f'score {fmt(rec.get("score"), ".2f")} ' + ('<span class="p">correct</span>' if rec.get("correct")
                                                                 else '<span class="n">wrong</span>'))
     bits.append(html.escape(str(rec.get("finish_reason"))))
-    bits.append(f'{len(calls)} call{"s" * (len(calls) != 1)}' + (" (" + ", ".join(
+    bits.append(plural(len(calls), "call") + (" (" + ", ".join(
         html.escape(str(c.get("status"))) for c in calls) + ")" if calls else ""))
     bits.append(f'{len(rec.get("response_ids") or [])} tokens, {sum(mask)} sampled')
     lp, tlp = rec.get("logprobs") or [], rec.get("trainer_logprobs")
@@ -281,7 +286,8 @@ def step_html(step, records, tokenizer, cache, top):
     n = len(records)
     correct = sum(bool(r.get("correct")) for r in records)
     rewards = [r["reward"] for r in records if "reward" in r]
-    head = ("evaluation" if step is None else f"step {step}") + f" · {len(groups)} groups · {n} trajectories · " \
+    head = ("evaluation" if step is None else f"step {step}") + f" · {plural(len(groups), 'group')} · " \
+        f"{plural(n, 'trajectory', 'trajectories')} · " \
         f"{correct}/{n} correct" + (f" · mean reward {sum(rewards) / len(rewards):+.3f}" if rewards else "")
     body = "".join(group_html(g, f"{key}g{k}", tokenizer, cache, top) for k, g in enumerate(groups.values()))
     return f'<details class="step" id="{key}"{" open" * (step is None)}><summary>{head}</summary>{body}</details>'
@@ -325,7 +331,8 @@ function build(d) {
     .sort((a, b) => b[0] - a[0]).slice(0, +d.dataset.top).forEach((x, k) => top.set(x[1], k + 1));
   const out = ['<div class="key"><span class="' + tint + '">sampled (mask 1)' +
     (adv === undefined ? '' : ', advantage ' + num(adv)) + '</span><span class="tf">forced tool reply (mask 0)</span>' +
-    (tlp ? '<span class="top">top ' + top.size + ' by |trainer - sampler| log-prob</span>' : '') +
+    (tlp ? '<span class="top">' + (top.size ? 'top ' + top.size + ' by |trainer - sampler| log-prob' :
+     'trainer and sampler log-probs equal (as stored)') + '</span>' : '') +
     (pieces ? '' : ' no tokenizer: token ids shown') + '</div>'];
   for (let i = 0; i < ids.length; i++) {
     let t = '#' + i + ' id ' + ids[i] + (m[i] ? ' sampled, sampler logp ' + num(lp[i]) : ' forced (mask 0)');

@@ -57,7 +57,8 @@ def make_record(tok, uid, sample, step=None, rl=True, rng=random.Random(0)):
     correct = sample % 2 == 0
     rec = dict(problem_index=int(uid[-1]), sample_index=sample, prompt_ids=tok.encode(prompt, add_special_tokens=False),
                response_ids=ids, loss_mask=mask, logprobs=logprobs, text=tok.decode(ids, skip_special_tokens=False),
-               tool_calls=[{"code": CODE, "status": "ok", "output": "True </script>\n", "turn": 0}], num_turns=2,
+               tool_calls=[{"name": "code_interpreter", "arguments": {"code": CODE}, "status": "ok",
+                           "output": "True </script>\n", "turn": 0}], num_turns=2,
                finish_reason="stop", uid=uid, benchmark="toy", kind="math", score=float(correct), correct=correct,
                pred=str(5 + sample % 2), num_tool_calls=1, call_status=["ok"], response_tokens=len(ids),
                sampled_tokens=sum(mask), tokens_before_first_call=mask.index(0))
@@ -151,8 +152,7 @@ def test_eval_dir_and_no_tokenizer(tmp_path, tiny_tokenizer, tiny_ckpt):
 
 
 def test_response_blocks():
-    calls = [{"code": "a", "status": "ok", "turn": 0}, {"code": "b", "status": "error", "turn": 0},
-             {"code": "c", "status": "bad_call", "turn": 1}]
+    calls = [{"status": "ok", "turn": 0}, {"status": "error", "turn": 0}, {"status": "bad_call", "turn": 1}]
     text = ('<think>hm</think>\n<tool_call>\n{"name": "code_interpreter", "arguments": {"code": "a"}}\n</tool_call>\n'
             '<tool_call>\n{"name": "code_interpreter", "arguments": "{\\"code\\": \\"b\\"}"}\n</tool_call><|im_end|>\n'
             '<|im_start|>user\n<tool_response>\n1\n</tool_response>\n<tool_response>\nE\n</tool_response><|im_end|>\n'
