@@ -1181,10 +1181,231 @@ def test_grading_assert_style_rows(box, monkeypatch):
     codes, submit = [], box.submit
     monkeypatch.setattr(box, "submit", lambda code, *a, **kw: codes.append(code) or submit(code, *a, **kw))
     assert run_tests(correct, LEETCODE_ROW, timeout=5, sandbox=box) == [True, True, True]
-    assert len(codes) == 3 and codes[0].endswith(
-        "def check(candidate):    assert candidate(nums = [2,7,11,15], target = 9) == [0,1]"
-        "\ncheck(Solution().twoSum)")                   # one run per test line, upstream's layout
+    assert len(codes) == 3 and codes[0].endswith(            # one run per test line, upstream's text
+        "'def check(candidate):    assert candidate(nums = [2,7,11,15], target = 9) == [0,1]', 'Solution().twoSum')\n")
     always = "class Solution:\n    def twoSum(self, nums, target):\n        return [0, 1]"
     assert run_tests(always, LEETCODE_ROW, timeout=5, sandbox=box) == [True, False, True]
     assert run_tests("class Solution:\n    def twoSum(self", LEETCODE_ROW, sandbox=box) == [False] * 3
     assert run_tests("", LEETCODE_ROW, sandbox=box) == [False] * 3
+
+
+# ----------------------------------------------------------------------------- issue 24: holes 1-5
+
+def test_inotify_and_dnotify_see_nothing_of_the_host(box, tmp_path):
+    """Hole 1: an inotify watch on a host directory showed a run the names of the files the host
+    created there while it lived (dnotify, fcntl F_NOTIFY, is the older way to the same)."""
+    name = "host-made-" + secrets.token_hex(6)
+    code = f"""
+import ctypes, fcntl, os, select, signal
+libc = ctypes.CDLL(None, use_errno=True)
+seen, fd = [], libc.inotify_init1(os.O_NONBLOCK)
+for path in ({str(tmp_path)!r}, "/tmp", "/etc", "/usr"):
+    if fd >= 0 and libc.inotify_add_watch(fd, path.encode(), 0xfff) >= 0:
+        seen.append("watching " + path)
+    try:
+        signal.signal(signal.SIGIO, lambda *a: seen.append("dnotify"))
+        fcntl.fcntl(os.open(path, os.O_RDONLY), fcntl.F_NOTIFY, fcntl.DN_CREATE | fcntl.DN_MULTISHOT)
+        seen.append("dnotify on " + path)
+    except OSError:
+        pass
+if fd >= 0 and select.select([fd], [], [], 2)[0]:
+    seen.append(os.read(fd, 4096))
+print(fd, seen)
+"""
+    future = box.submit(code, timeout=5)
+    time.sleep(0.7)
+    (tmp_path / name).write_text("x")
+    r = future.result()
+    assert r.status == "ok" and name not in r.stdout and r.stdout == "-1 []\n", r
+
+
+def test_per_user_kernel_quotas_stay_with_the_host(box):
+    """Hole 2: runs share their uid's kernel quotas with the host: 128 inotify instances made the
+    host's inotify_init1 fail with EMFILE, ~96k queued real-time signals its timer_create with EAGAIN."""
+    code = """
+import ctypes, os, signal, time
+libc = ctypes.CDLL(None, use_errno=True)
+instances = [fd for fd in (libc.inotify_init1(0) for _ in range(200)) if fd >= 0]
+signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGRTMIN])
+queued = 0
+while queued < 200_000 and libc.sigqueue(os.getpid(), signal.SIGRTMIN, ctypes.c_void_p(0)) == 0:
+    queued += 1
+print(len(instances), queued, flush=True)
+time.sleep(20)
+"""
+    future = box.submit(code, timeout=8)
+    wait_for_a_run(box, asleep=True)
+    try:
+        timer = ctypes.c_void_p()
+        inotify, timer_made = libc.inotify_init1(0), libc.timer_create(time.CLOCK_MONOTONIC, None, ctypes.byref(timer))
+        assert inotify >= 0 and timer_made == 0, (inotify, timer_made, os.strerror(ctypes.get_errno()))
+        os.close(inotify)
+        libc.timer_delete(timer)
+    finally:
+        r = future.result()
+    instances, queued = map(int, r.stdout.split())
+    assert instances == 0 and queued <= sandbox.MAX_SIGNALS, r
+
+
+def test_locks_and_leases_do_not_hold_up_the_host(box):
+    """Hole 3: a lease and a flock on a host file the run may read (its Python installation) held
+    up the host's own open(path, "a") and locks until the run was killed."""
+    import fcntl
+    import sysconfig
+    path = os.path.join(sysconfig.get_paths()["purelib"], f"_sandbox_lock_test_{secrets.token_hex(4)}.txt")
+    with open(path, "w") as f:
+        f.write("x")
+    code = f"""
+import fcntl, os, struct, time
+got = {{}}
+def attempt(name, action):
+    try:
+        action()
+        got[name] = "HELD"
+    except OSError:
+        got[name] = "refused"
+record = struct.pack("hhqqi", fcntl.F_RDLCK, 0, 0, 0, 0)
+attempt("lease", lambda: fcntl.fcntl(os.open({path!r}, os.O_RDONLY), fcntl.F_SETLEASE, fcntl.F_RDLCK))
+attempt("flock", lambda: fcntl.flock(os.open({path!r}, os.O_RDONLY), fcntl.LOCK_SH))
+attempt("posix lock", lambda: fcntl.fcntl(os.open({path!r}, os.O_RDONLY), fcntl.F_SETLK, record))
+attempt("ofd lock", lambda: fcntl.fcntl(os.open({path!r}, os.O_RDONLY), 37, record))     # F_OFD_SETLK
+print(got, flush=True)
+time.sleep(20)
+"""
+    try:
+        future = box.submit(code, timeout=8)
+        wait_for_a_run(box, asleep=True)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_NONBLOCK)   # under a lease: EWOULDBLOCK
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)                  # POSIX and OFD locks
+            os.close(fd)
+        finally:
+            r = future.result()
+        assert set(eval(r.stdout).values()) == {"refused"}, r
+    finally:
+        os.unlink(path)
+
+
+def test_a_run_cannot_choose_its_verdict(box):
+    """Hole 4: "ok" came from exit status 0, which an excepthook, atexit or a thread could give a
+    failed run; "memory" and "timeout" came from text on stderr and from a SIGXCPU a run can send
+    itself. The pool now takes them from the epilogue's token and from kernel facts."""
+    cases = [("import os, sys\nsys.excepthook = lambda *a: os._exit(0)\n1 / 0", "error", 0),
+             ("import atexit, os\natexit.register(os._exit, 0)\nraise ValueError", "error", 0),
+             ("import os, threading, time\nthreading.Thread(target=lambda: (time.sleep(0.2), os._exit(0))).start()\n"
+              "raise ValueError", "error", 0),
+             ("import os\nos.write(3, b'0' * 17)\nos._exit(0)", "error", 0),    # a guessed epilogue
+             ("import sys\nprint('MemoryError', file=sys.stderr)\nsys.exit(1)", "error", 1),
+             ("import os, signal\nos.kill(os.getpid(), signal.SIGXCPU)", "killed", -signal.SIGXCPU),
+             ("import sys\nprint('x')\nsys.exit(0)", "ok", 0), ("raise MemoryError", "memory", 1)]
+    results = box.run_many([code for code, _, _ in cases], timeout=5)
+    assert [(r.status, r.returncode) for r in results] == [(s, rc) for _, s, rc in cases], results
+
+
+WRONG = "class Solution:\n    def twoSum(self, nums, target):\n        return [9, 9]\n"
+GRADER_HACKS = {
+    "excepthook": "import os, sys\nsys.excepthook = lambda *a: os._exit(0)\n" + WRONG,
+    "os._exit at import": "import os\nos._exit(0)\n" + WRONG,
+    "sys.exit at import": "import sys\nsys.exit(0)\n" + WRONG,
+    "sys.exit in the call": "import sys\nclass Solution:\n    def twoSum(self, nums, target):\n        sys.exit(0)\n",
+    "atexit": "import atexit, os\natexit.register(os._exit, 0)\n" + WRONG,
+    "always-equal object": "class Same:\n    def __eq__(self, other):\n        return True\n"
+                           "class Solution:\n    def twoSum(self, nums, target):\n        return Same()\n",
+    "always-equal list": "class Same(list):\n    def __eq__(self, other):\n        return True\n"
+                         "class Solution:\n    def twoSum(self, nums, target):\n        return Same([9])\n",
+    "patched builtins": "import builtins\nbuiltins.sorted = lambda *a, **k: 0\n" + WRONG,
+}
+
+
+@pytest.mark.parametrize("hack", GRADER_HACKS)
+def test_graders_cannot_be_talked_into_a_pass(box, hack):
+    """Hole 4 in the graders: on assert-style rows a wrong solution with any of these passed every
+    test (or should have failed anyway); the stdin and functional graders are checked likewise."""
+    row = dict(LEETCODE_ROW, test_code=LEETCODE_ROW["test_code"] + "    assert sorted(candidate([1, 2], 3)) == sorted([1, 0])\n")
+    assert run_tests(GRADER_HACKS[hack], row, timeout=5, sandbox=box) == [False] * 4
+    stdin = GRADER_HACKS[hack].replace(WRONG, "print(3)\nraise ValueError\n")     # right output, then a crash
+    assert run_tests(stdin, {"fn_name": None, "cases": [{"input": "", "output": "3"}]}, sandbox=box) == [False]
+    assert run_tests(GRADER_HACKS[hack], FN_TESTS, timeout=5, sandbox=box) == [False] * 3
+
+
+def test_grading_rebuilds_the_prefix_classes_by_value(box):
+    """The plain values of the assert-style grader keep the rows that return the prefix's own
+    classes (ListNode) gradable, and numpy scalars equal to Python ones."""
+    row = {"fn_name": None, "cases": [], "entry_point": "Solution().reverse",
+           "import_prefix": "class ListNode:\n    def __init__(self, val=0, next=None):\n        self.val, self.next = val, next\n"
+                            "def list_node(values):\n    head = None\n    for v in reversed(values):\n"
+                            "        head = ListNode(v, head)\n    return head\n"
+                            "def is_same_list(a, b):\n    while a and b and a.val == b.val:\n        a, b = a.next, b.next\n"
+                            "    return a is None and b is None\n",
+           "test_code": "def check(candidate):\n    assert is_same_list(candidate(list_node([1, 2, 3])), list_node([3, 2, 1]))\n"
+                        "    assert candidate(None) is None\n"}
+    right = ("import numpy as np\nclass Solution:\n    def reverse(self, head):\n        prev = None\n"
+             "        while head:\n            head.next, prev, head = prev, head, head.next\n        return prev\n")
+    assert run_tests(right, row, timeout=5, sandbox=box) == [True, True]
+    fake = ("class Val(int):\n    def __eq__(self, other):\n        return True\nclass Solution:\n"
+            "    def reverse(self, head):\n        return ListNode(Val(0)) if head else None\n")
+    assert run_tests(fake, row, timeout=5, sandbox=box) == [False, True]
+    helper = "def is_same_list(a, b):\n    return True\n" + fake         # the test's helper, redefined
+    assert run_tests(helper, row, timeout=5, sandbox=box) == [False, True]
+    numpy = dict(LEETCODE_ROW, entry_point="f", test_code="def check(candidate):\n    assert candidate() == 3\n")
+    assert run_tests("import numpy as np\ndef f():\n    return np.int64(3)", numpy, sandbox=box) == [True]
+
+
+def test_pool_recovers_from_start_up_deaths(monkeypatch):
+    """Hole 5: three start-up deaths in one worker slot raised "workers keep dying at start-up"
+    from every later run, for good. Now the slot backs off and tries again."""
+    deaths, spawn = [3], Sandbox._spawn
+
+    def dying_spawn(self, index):
+        worker = spawn(self, index)
+        if deaths[0] > 0:
+            deaths[0] -= 1
+            worker.proc.kill()                    # dies before it says hello
+        return worker
+    monkeypatch.setattr(Sandbox, "_spawn", dying_spawn)
+    with Sandbox(workers=1, preimport=()) as pool:
+        with pytest.raises(RuntimeError, match="keep dying at start-up"):
+            pool.wait_ready(timeout=60)           # said at start-up, with the pool's own message
+        assert pool.run("print('back')", timeout=10).stdout == "back\n"
+        assert pool.wait_ready().startswith("sandbox: 1 workers; in force:")
+
+
+def test_pool_recovers_when_a_zygote_takes_its_directory():
+    """Hole 5: a zygote that left through its `finally` (here: a request it cannot parse) removed
+    the pool's root directory when it was the last one there; every later run then failed."""
+    with Sandbox(workers=1, preimport=()) as pool:
+        assert pool.run("print(1)").stdout == "1\n"
+        pool._workers[0].sock.send(b"not json")
+        deadline = time.monotonic() + 10
+        while os.path.exists(pool.root) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not os.path.exists(pool.root)
+        assert pool.run("print(2)", timeout=10).stdout == "2\n"
+
+
+def test_default_pool_replaced_when_broken_configured_and_checked(monkeypatch):
+    """Issue 23.4/23.5: the default pool is this rank's share of the cores, configure() sets its
+    options before it starts, check() says what is in force or raises the pool's own message; a
+    broken default pool is replaced instead of failing every later run."""
+    monkeypatch.setattr(sandbox, "available_cores", lambda: 16)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert sandbox.default_workers() == 2
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "32")
+    assert sandbox.default_workers() == 1
+    monkeypatch.setattr(sandbox, "_default", None)
+    monkeypatch.setattr(sandbox, "_options", dict(sandbox._options))
+    sandbox.configure(workers=1, require="floor")
+    try:
+        assert sandbox.check().startswith("sandbox: 1 workers; in force: seccomp")
+        with pytest.raises(RuntimeError, match="already started"):
+            sandbox.configure(workers=3)
+        sandbox._default._fail("sandbox: broken on purpose")
+        assert sandbox.run("print(5)").stdout == "5\n"          # a new default pool
+        sandbox._default.close()
+        monkeypatch.setattr(sandbox, "_PROBE", "raise SystemExit('the probe says no')")
+        with pytest.raises(RuntimeError, match="the probe says no"):
+            sandbox.check()
+    finally:
+        if sandbox._default is not None:
+            sandbox._default.close()
