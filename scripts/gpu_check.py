@@ -409,34 +409,36 @@ def gib(x):
     return "n/a" if x is None else f"{x:.1f}"
 
 
+def write_jsonl(path, records):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+    return path
+
+
 def check_rl(plan, device, cache):
     path, tok = base_checkpoint(plan, device, cache)
     sentence = "Note: the sequence a(n) is defined by a(1) = 1 and a(n + 1) = a(n) + n for every n. "
     filler = sentence * (plan["rl_prompt"] // len(tok.encode(sentence)) + 1)
     problems = [{"prompt": filler + f"What is {i} + {i}? Put the final answer in \\boxed{{}}.", "answer": str(2 * i),
                  "kind": "math"} for i in (3, 5)]
-    out = os.path.join(cache["work"], "rl")
-    os.makedirs(out, exist_ok=True)
-    data = os.path.join(out, "problems.jsonl")
-    with open(data, "w") as f:
-        f.writelines(json.dumps(p) + "\n" for p in problems)
-    R = plan["rl_response"]
+    out, R = os.path.join(cache["work"], "rl"), plan["rl_response"]
+    data = write_jsonl(os.path.join(out, "problems.jsonl"), problems)
     args = [f"--model={path}", f"--data={data}", "--eval_data=", f"--out_dir={out}", "--steps=1",
             "--prompts_per_step=2", "--samples_per_prompt=4", "--mini_batch_prompts=2", f"--max_response_tokens={R}",
             f"--overlong_buffer={R // 4}", "--save_every=0", "--log_samples=0", "--resume=false"]
     wall, rec = run_step("rl.py", args, out, "step", cache, device, reserve=100)
     t, mem = rec.get("time", {}), rec.get("memory_gib") or {}
+    kv = {k: rec.get(k) for k in ("kv_pool_tokens", "kv_peak_tokens", "preemptions")}
+    na = {k: "n/a" if v is None else v for k, v in kv.items()}
+    times = ", ".join(f"{k} {t.get(k, 0):.1f}" for k in ("rollout", "old_logprob", "update", "eval_save"))
     prompt_len = len(tok.encode(problems[0]["prompt"]))
-    return dict(wall_seconds=round(wall, 1), time=t, memory_gib=mem, kv_pool_tokens=rec.get("kv_pool_tokens"),
-                kv_peak_tokens=rec.get("kv_peak_tokens"), preemptions=rec.get("preemptions"),
-                response_length=rec.get("response_length"), prompt_tokens=prompt_len, model=cache["base_note"],
-                result=f"{wall:.0f} s wall (step {t.get('step', 0):.0f} s: rollout {t.get('rollout', 0):.0f}, "
-                       f"old-lp {t.get('old_logprob', 0):.1f}, update {t.get('update', 0):.1f}, "
-                       f"save {t.get('eval_save', 0):.0f}); "
-                       f"peak GiB rollout/old-lp/update {gib(mem.get('rollout'))}/{gib(mem.get('old_logprob'))}/"
-                       f"{gib(mem.get('update'))}; KV pool {rec.get('kv_pool_tokens', 'n/a')} tokens, peak "
-                       f"{rec.get('kv_peak_tokens', 'n/a')}, {rec.get('preemptions', 'n/a')} preemptions; 8 x "
-                       f"(~{prompt_len} prompt + {rec.get('response_length', 0):.0f} response) tokens")
+    return dict(wall_seconds=round(wall, 1), time=t, memory_gib=mem, **kv, response_length=rec.get("response_length"),
+                prompt_tokens=prompt_len, model=cache["base_note"],
+                result=f"{wall:.0f} s wall (step {t.get('step', 0):.0f} s: {times} s); peak GiB rollout/old-lp/update "
+                       f"{'/'.join(gib(mem.get(k)) for k in ('rollout', 'old_logprob', 'update'))}; KV pool "
+                       f"{na['kv_pool_tokens']} tokens, peak {na['kv_peak_tokens']}, {na['preemptions']} preemptions; "
+                       f"8 x (~{prompt_len} prompt + {rec.get('response_length', 0):.0f} response) tokens")
 
 
 def sft_record(rounds):
@@ -465,11 +467,7 @@ def check_sft(plan, device, cache):
         records.append(rec)
         lengths.append(n)
     out = os.path.join(cache["work"], "sft")
-    os.makedirs(out, exist_ok=True)
-    data = os.path.join(out, "data.jsonl")
-    with open(data, "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in records)
-    max_len = 1 << (max(lengths) - 1).bit_length()
+    data, max_len = write_jsonl(os.path.join(out, "data.jsonl"), records), 1 << (max(lengths) - 1).bit_length()
     args = [f"--model={path}", f"--data={data}", f"--out_dir={out}", "--epochs=1", "--batch_size=2", "--max_steps=1",
             "--eval_size=0", f"--max_len={max_len}", f"--micro_batch_tokens={2 * max_len}", "--save_every=0",
             "--progress=false"]
