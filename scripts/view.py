@@ -27,7 +27,9 @@ import sys
 
 CURVES = ["reward", "accuracy", "tool_calls_per_traj", "response_length", "entropy", "clip_high", "clip_low",
           "clip_dual"]
-BLOCK_RE = re.compile(r"(<tool_call>.*?(?:</tool_call>|$)|<tool_response>.*?(?:</tool_response>|$))", re.S)
+# a call ends at </tool_call>, else where its turn ends (a tool reply may quote "</tool_call>" in an error)
+BLOCK_RE = re.compile(r"(<tool_call>(?:(?!<\|im_end\|>|<tool_response>).)*?(?:</tool_call>|(?=<\|im_end\|>|"
+                      r"<tool_response>)|$)|<tool_response>.*?(?:</tool_response>|$))", re.S)
 SCAFFOLD_RE = re.compile(r"<\|im_start\|>(?:assistant|user|system|tool)\n?|<\|im_end\|>\n?|<\|endoftext\|>")
 
 
@@ -108,7 +110,8 @@ def find_tokenizer(run_dir, explicit=None, summary=None):
         if os.path.isdir(path) and not glob.glob(os.path.join(path, "tokenizer*")):
             continue
         try:
-            return AutoTokenizer.from_pretrained(path, local_files_only=True), path
+            tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+            return tokenizer, os.path.relpath(path) if os.path.isdir(path) else path
         except Exception:   # not a tokenizer, or a hub id that is not cached
             continue
     return None, "no tokenizer found (pass --tokenizer PATH)"
@@ -313,7 +316,8 @@ details{margin:2px 0 2px 14px}details.step>summary{font-weight:600}.charts{displ
 .b.call{border-color:#7a4ad9;background:#f4f0fc}.b.reply{border-color:#2f7fd0;background:#eef5fc}
 .lbl{font-size:11px;color:#666}table{border-collapse:collapse}td,th{border:1px solid #ddd;padding:2px 6px}
 .tokens{font:12px ui-monospace,monospace;white-space:pre-wrap;word-break:break-word;line-height:1.7}
-.tokens span{border-radius:2px}.tp{background:#d6f0d0}.tn{background:#f7d4d4}.t0{background:#ececec}
+.tokens span{border-radius:2px;box-shadow:inset -1px 0 rgba(0,0,0,.18)}.tp{background:#d6f0d0}
+.tn{background:#f7d4d4}.t0{background:#ececec}
 .tf{background:#d4e3f7;color:#24518a}.top{outline:2px solid #f28c00;background:#ffe2a8}
 .key span{padding:0 4px;margin-right:6px}"""
 
@@ -366,7 +370,7 @@ def render(run_dir, tokenizer_path=None, steps_spec="", max_steps=20, max_mb=50,
                          max_mb * 1e6)
     steps = {s: [rec for path in files[s] for rec in read_jsonl(path)] for s in shown}
     cache, n = {}, sum(len(steps[s]) for s in shown)
-    info = [f"{'RL run' if kind == 'rl' else 'evaluation'} <code>{html.escape(os.path.abspath(run_dir))}</code>",
+    info = ["an RL run" if kind == "rl" else "an evaluation",
             f"{n} trajectories in {len(shown)} of the {len(files)} steps kept (--steps, --max_steps, --max_mb choose)"
             if kind == "rl" else f"{n} trajectories",
             f"tokenizer: {html.escape(str(source))}" if tokenizer else
@@ -380,7 +384,7 @@ def render(run_dir, tokenizer_path=None, steps_spec="", max_steps=20, max_mb=50,
     if evals:
         info.append("held-out evaluations: <code>python scripts/view.py " + html.escape(os.path.join(
             run_dir, "eval", "step_N")) + "</code> for N in " + ", ".join(os.path.basename(e)[5:] for e in evals))
-    name = html.escape(os.path.basename(os.path.abspath(run_dir)))
+    name = html.escape(os.path.normpath(run_dir))
     parts = [f'<!DOCTYPE html><html><head><meta charset="utf-8"><title>{name}</title><style>{CSS}</style></head>'
              f"<body><h1>{name}</h1>",
              "<div>" + "<br>".join(info) + "</div>",

@@ -143,7 +143,7 @@ def test_eval_dir_and_no_tokenizer(tmp_path, tiny_tokenizer, tiny_ckpt):
     visible = "".join(page.text)
     assert "score 1.00 correct" in visible and "score 0.00 wrong" in visible and "reward" not in visible
     assert "What is 2 + 3? (problem q2) \U0001F600" in visible   # the prompt decoded from prompt_ids
-    assert "pass@2" in visible and f"tokenizer: {tiny_ckpt}" in visible
+    assert "pass@2" in visible and f"tokenizer: {os.path.relpath(tiny_ckpt)}" in visible
     os.remove(run / "summary.json")   # no tokenizer anywhere: text blocks only, said on the page
     text, page = build(run)
     assert embedded(page) == sorted(recs, key=lambda r: (r["uid"], r["sample_index"]))
@@ -152,14 +152,19 @@ def test_eval_dir_and_no_tokenizer(tmp_path, tiny_tokenizer, tiny_ckpt):
 
 
 def test_response_blocks():
-    calls = [{"status": "ok", "turn": 0}, {"status": "error", "turn": 0}, {"status": "bad_call", "turn": 1}]
+    calls = [{"status": "ok", "turn": 0}, {"status": "error", "turn": 0}, {"status": "bad_call", "turn": 1},
+             {"status": "bad_call", "turn": 2}]
     text = ('<think>hm</think>\n<tool_call>\n{"name": "code_interpreter", "arguments": {"code": "a"}}\n</tool_call>\n'
             '<tool_call>\n{"name": "code_interpreter", "arguments": "{\\"code\\": \\"b\\"}"}\n</tool_call><|im_end|>\n'
             '<|im_start|>user\n<tool_response>\n1\n</tool_response>\n<tool_response>\nE\n</tool_response><|im_end|>\n'
             '<|im_start|>assistant\n<tool_call>\nnot json\n</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\n'
-            'bad\n</tool_response><|im_end|>\n<|im_start|>assistant\nso <tool_call>\n{"name": "code_int')
+            'bad\n</tool_response><|im_end|>\n<|im_start|>assistant\n<tool_call>\n{"code": "print<|im_end|>\n'
+            '<|im_start|>user\n<tool_response>\nError: not closed with </tool_call>.\n</tool_response><|im_end|>\n'
+            '<|im_start|>assistant\nso <tool_call>\n{"name": "code_int')
     blocks = view.response_blocks(text, calls)
     assert [(k, t, c and c["status"]) for k, t, c in blocks] == [
         ("text", "<think>hm</think>", None), ("call", "a", "ok"), ("call", "b", "error"), ("reply", "1", None),
-        ("reply", "E", None), ("call", "not json", "bad_call"), ("reply", "bad", None), ("text", "so", None),
+        ("reply", "E", None), ("call", "not json", "bad_call"), ("reply", "bad", None),
+        ("call", '{"code": "print', "bad_call"), ("reply", "Error: not closed with </tool_call>.", None),
+        ("text", "so", None),
         ("call", '{"name": "code_int', None)]   # cut by the length budget: shown raw, not run
