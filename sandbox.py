@@ -510,13 +510,13 @@ class Sandbox:
         wanted = set(LAYERS) if require == "all" else set(require.split(",")) - {"floor", ""}
         if wanted - set(LAYERS):
             raise ValueError(f"sandbox: require is 'floor', 'all' or names of {sorted(LAYERS)}, not {require!r}")
-        self.plan, on, off = _layers(grants())
+        self.plan, on, self.off = _layers(grants())
         self.num_workers, self.preimport = max(1, int(workers or default_workers())), list(preimport)
         self.description = (f"sandbox: {self.num_workers} workers; in force: {', '.join(on)}; not in force: "
-                            + ("; ".join(f"{LAYERS[k]} [{why}]" for k, why in off.items()) or "nothing"))
-        if refused := sorted(wanted & set(off)):
+                            + ("; ".join(f"{LAYERS[k]} [{why}]" for k, why in self.off.items()) or "nothing"))
+        if refused := sorted(wanted & set(self.off)):
             raise RuntimeError(f"sandbox: refusing to start (require={require!r}) without "
-                               + "; ".join(f"{LAYERS[k]} [{off[k]}]" for k in refused))
+                               + "; ".join(f"{LAYERS[k]} [{self.off[k]}]" for k in refused))
         print(self.description, file=sys.stderr, flush=True)
         self.root = tempfile.mkdtemp(prefix="sandbox-")
         self._queue = queue.SimpleQueue()          # (job, future)

@@ -165,21 +165,44 @@ def caps(box):
     return box.capabilities()
 
 
+@pytest.fixture(scope="module")
+def floor():
+    """A pool with nothing but the floor, as on a machine that grants no further layer (root here:
+    tests/test_sandbox_envs.py has the other users and machines)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sandbox, "grants", granted(**NO_LANDLOCK, **NO_MOUNT, **NO_CGROUP))
+        pool = Sandbox(workers=1, preimport=())
+    pool.baseline = set(descendants(os.getpid()))
+    assert pool.wait_ready().endswith("simulated)]") and pool.plan["watch"] == ["disk", "tasks"]
+    yield pool
+    pool.close()
+
+
 # ----------------------------------------------------------------------------- basics
 
-def test_capabilities_are_in_force(caps):
+def test_capabilities_are_in_force(box, caps):
     print(json.dumps(caps, indent=1))
     assert caps["process_group"] and caps["seccomp"] == f"bpf filter ({platform.machine()})"
-    assert caps["landlock_abi"] == sandbox.landlock_abi() >= 1 and caps["namespace"] == "mount"
-    assert all(caps["verified"].values()), caps["verified"]    # each measured inside a run
-    assert set(caps["verified"]) >= {"fork_blocked", "inet_blocked", "unix_bind_blocked",
-                                     "host_file_blocked", "host_read_only", "no_new_privs",
-                                     "capabilities_dropped", "stdin_read_only", "workdir_writable"}
-    assert caps["tasks"]["measured"] == caps["tasks"]["max"] == sandbox.MAX_TASKS
-    assert caps["tasks"]["mechanism"].startswith("pids cgroup")
-    assert caps["disk_quota"] == f"tmpfs {sandbox.DEFAULT_DISK_MB} MiB"
+    assert caps["layers"] == box.description and caps["layers"].startswith("sandbox: 2 workers; in force: seccomp")
+    assert set(sandbox._expected(box.plan)) >= {"fork_blocked", "inet_blocked", "unix_bind_blocked", "no_new_privs",
+                                               "capabilities_dropped", "stdin_read_only", "workdir_writable",
+                                               "inotify_blocked", "locks_blocked", "host_metadata_blocked"}
+    assert all(caps["verified"][k] for k in sandbox._expected(box.plan)), caps["verified"]   # measured inside a run
     assert caps["rlimits"]["NOFILE"] == sandbox.MAX_OPEN_FILES and caps["rlimits"]["FSIZE"] > 0
     assert caps["worker_threads"] == 1                # forking a threaded worker is unsafe
+    if "landlock" not in box.off:
+        assert caps["landlock_abi"] == sandbox.landlock_abi() >= 1 and caps["verified"]["host_file_blocked"]
+    if "mount" not in box.off:
+        assert caps["namespace"].startswith("mount") and caps["verified"]["host_read_only"]
+        assert caps["disk_quota"] == f"tmpfs {sandbox.DEFAULT_DISK_MB} MiB"
+    if "tasks" not in box.off:
+        assert caps["tasks"]["measured"] == caps["tasks"]["max"] == sandbox.MAX_TASKS
+        assert caps["tasks"]["mechanism"].startswith(("pids cgroup", "RLIMIT_NPROC"))
+
+
+def needs(pool, layer):
+    if layer in pool.off:
+        pytest.skip(f"{sandbox.LAYERS[layer]} is not in force here: {pool.off[layer]}")
 
 
 def granted(**changes):
@@ -509,6 +532,7 @@ def test_close_stops_workers_and_removes_everything():
 # ----------------------------------------------------------------------------- files
 
 def test_write_outside_the_working_directory(box, tmp_path):
+    needs(box, "landlock")
     host = tmp_path / "host.txt"
     host.write_text("original")
     before = os.stat(host)
@@ -555,6 +579,7 @@ print(attempts)
 
 
 def test_read_host_files(box, tmp_path):
+    needs(box, "landlock")
     secret = tmp_path / "secret.txt"
     secret.write_text(SECRET)
     code = f"""
@@ -585,6 +610,7 @@ print(len(open(os.__file__).read()) > 0)          # the standard library stays r
 
 
 def test_host_environment_is_not_visible(box):
+    needs(box, "landlock")
     code = f"""
 import os
 print(dict(os.environ))
@@ -607,6 +633,7 @@ for path in ["/proc/self/environ", "/proc/1/environ", f"/proc/{{os.getppid()}}/e
 
 
 def test_disk_fill(box, caps):
+    needs(box, "mount")
     code = """
 import json, os
 written, errors = 0, set()
@@ -1093,6 +1120,7 @@ print(attempts)
 
 def test_threads_per_run_are_bounded(box, caps):
     """Issue 15.5: at most MAX_TASKS tasks per run (a pids cgroup), whatever the memory."""
+    needs(box, "tasks")
     code = ("import os, threading\nthreading.stack_size(1 << 18)\nevent, started = threading.Event(), 0\n"
             "try:\n    for _ in range(300):\n        threading.Thread(target=event.wait, daemon=True).start()\n"
             "        started += 1\nexcept RuntimeError:\n    pass\nevent.set()\n"
@@ -1233,7 +1261,7 @@ while queued < 200_000 and libc.sigqueue(os.getpid(), signal.SIGRTMIN, ctypes.c_
 print(len(instances), queued, flush=True)
 time.sleep(20)
 """
-    future = box.submit(code, timeout=8)
+    future = box.submit(code, timeout=3)
     wait_for_a_run(box, asleep=True)
     try:
         timer = ctypes.c_void_p()
@@ -1273,7 +1301,7 @@ print(got, flush=True)
 time.sleep(20)
 """
     try:
-        future = box.submit(code, timeout=8)
+        future = box.submit(code, timeout=3)
         wait_for_a_run(box, asleep=True)
         try:
             fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_NONBLOCK)   # under a lease: EWOULDBLOCK
@@ -1409,3 +1437,63 @@ def test_default_pool_replaced_when_broken_configured_and_checked(monkeypatch):
     finally:
         if sandbox._default is not None:
             sandbox._default.close()
+
+
+# ----------------------------------------------------------------------------- the floor alone
+
+FLOOR_ATTACKS = {   # what each must print, run by a pool with no layer but the floor
+    "fork": ("import os\ntry:\n    os.fork() or os._exit(0)\n    print('FORKED')\nexcept OSError:\n    print('ok')", "ok"),
+    "exec": ("import os\ntry:\n    os.execv('/bin/true', ['true'])\nexcept OSError:\n    print('ok')", "ok"),
+    "socket": ("import socket\ntry:\n    socket.socket()\n    print('SOCKET')\nexcept OSError:\n    print('ok')", "ok"),
+    "kill init": ("import os\ntry:\n    os.kill(1, 0)\n    print('SIGNALLED')\nexcept OSError:\n    print('ok')", "ok"),
+    "inotify": ("import ctypes\nprint('ok' if ctypes.CDLL(None).inotify_init1(0) < 0 else 'INOTIFY')", "ok"),
+    "flock": ("import fcntl\ntry:\n    fcntl.flock(0, fcntl.LOCK_SH)\n    print('LOCKED')\nexcept OSError:\n"
+              "    print('ok')", "ok"),
+    "chmod and utime on a host file": (
+        "import os, sys\nfor action in (lambda: os.chmod(sys.executable, 0o777), lambda: os.utime(sys.executable)):\n"
+        "    try:\n        action()\n        print('CHANGED')\n    except OSError:\n        print('ok')", "ok\nok"),
+    "queued signals": ("import ctypes, os, signal\nsignal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGRTMIN])\n"
+                       "libc, n = ctypes.CDLL(None), 0\n"
+                       "while n < 10_000 and libc.sigqueue(os.getpid(), signal.SIGRTMIN, ctypes.c_void_p(0)) == 0:\n"
+                       "    n += 1\nprint('ok' if n <= 64 else n)", "ok"),
+}
+
+
+def test_the_floor_alone_keeps_its_guarantees(floor):
+    results = floor.run_many([code for code, _ in FLOOR_ATTACKS.values()], timeout=5)
+    for (name, (_, expected)), r in zip(FLOOR_ATTACKS.items(), results):
+        assert (r.status, r.stdout) == ("ok", expected + "\n"), (name, r)
+    assert_contained(floor)
+
+
+def test_the_floor_sends_no_signal_through_an_owner(floor):
+    """F_SETOWN (or ioctl FIOSETOWN) names a process to get SIGIO when a socket has data: a way
+    to signal any process of the uid that the kill rules do not see (Landlock ABI 6 scopes it)."""
+    victim = subprocess.Popen(["sleep", "30"])
+    try:
+        code = (f"import fcntl, os, socket, struct\nfor set_owner in (lambda s: fcntl.fcntl(s, fcntl.F_SETOWN, {victim.pid}),"
+                f"\n                  lambda s: fcntl.ioctl(s, 0x8901, struct.pack('i', {victim.pid}))):\n"
+                "    a, b = socket.socketpair()\n    try:\n        set_owner(a)\n"
+                "        fcntl.fcntl(a, fcntl.F_SETFL, os.O_ASYNC)\n        b.send(b'x')\n        print('OWNED')\n"
+                "    except OSError:\n        print('refused')")
+        r, _ = attack(floor, code, timeout=5, allowed={victim.pid})
+        assert r.stdout == "refused\nrefused\n" and victim.poll() is None, r
+    finally:
+        victim.kill()
+        victim.wait()
+
+
+def test_the_floor_polls_disk_and_tasks(floor):
+    """Without a tmpfs or a kernel task bound, the pool looks at each run every WATCH seconds and
+    stops one that went over its disk quota (bytes or files) or MAX_TASKS."""
+    fill = "for i in range(400):\n    open(f'f{i}', 'wb').write(b'x' * (1 << 20))\nimport time\ntime.sleep(10)"
+    many = "for i in range(100_000):\n    open(f'e{i}', 'w').close()\nimport time\ntime.sleep(10)"
+    threads = ("import threading, time\nthreading.stack_size(1 << 16)\nfor _ in range(2000):\n"
+               "    threading.Thread(target=time.sleep, args=(10,), daemon=True).start()\ntime.sleep(10)")
+    for code, over in ((fill, "MiB on disk"), (many, "files"), (threads, "tasks, over its 256")):
+        r, elapsed = attack(floor, code, timeout=8, disk_mb=16)
+        assert r.status == "killed" and over in r.stderr.splitlines()[-1] and r.seconds < 7, r
+    first = floor.run("import os\nopen('note', 'w').write('x')\nos.mkdir('closed', 0)\nos.symlink('/etc', 'etc')")
+    second = floor.run("import os\nprint(sorted(os.listdir('.')))")
+    assert first.status == "ok" and second.stdout == "[]\n", (first, second)     # cleared between runs
+    assert os.stat("/etc").st_mode & 0o777 == 0o755
