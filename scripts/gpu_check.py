@@ -1,6 +1,7 @@
 """The first run on a GPU machine, one command (one GPU, no network, under 8 minutes):
 
     python scripts/gpu_check.py [--cpu] [--out runs/gpu_check.json] [--rows logits_fp32,rl_step] [--keep]
+                                [--work DIR] [--budget 460]
 
 Prints the versions, the GPU and the attention path model.py and rollout.py take (and why), then one table, also
 written as JSON. Each row is ok, FAIL (the reason; the traceback's tail in the JSON) or skipped (why); a failing
@@ -55,7 +56,7 @@ PLANS = {
                  bench=QWEN3_4B, batches=(64, 256), prompt=128, new=128, hf_new={64: 64, 256: 32},
                  base=QWEN3_06B, rl_prompt=2000, rl_response=2048, sft_tokens=(4500, 5500)),
     "cpu": dict(small={}, logits=(2, 64), gen=(4, 8, 40, 16), bench=TINY, batches=(2, 4), prompt=16, new=8,
-                hf_new={2: 8, 4: 8}, base={}, rl_prompt=24, rl_response=32, sft_tokens=(150, 300)),
+                hf_new={2: 8, 4: 8}, base={}, rl_prompt=24, rl_response=32, sft_tokens=(350, 500)),
 }
 
 
@@ -319,7 +320,7 @@ def check_decode(plan, device, cache, batch):
             torch.cuda.reset_peak_memory_stats(device)
         _, t1 = timed(lambda: run(1), device)   # the prefill and the first token
         out, tn = timed(lambda: run(n), device)
-        rates[name] = dict(decode=batch * (n - 1) / (tn - t1), end_to_end=batch * n / tn, new_tokens=n,
+        rates[name] = dict(decode=batch * (n - 1) / max(tn - t1, 1e-6), end_to_end=batch * n / tn, new_tokens=n,
                            seconds=round(tn, 2), tokens=out,
                            peak_gib=round(torch.cuda.max_memory_allocated(device) / 2**30, 1) if cuda else None)
     a, b = rates["ours"].pop("tokens"), rates["transformers"].pop("tokens")
@@ -541,7 +542,8 @@ def main(argv):
               flush=True)
     if not (args.keep or args.work):
         shutil.rmtree(work, ignore_errors=True)
-    report = dict(mode=device.type, environment=env, seconds=round(time.perf_counter() - t0, 1), rows=results)
+    report = dict(mode=device.type, environment=env, plan=plan, seconds=round(time.perf_counter() - t0, 1),
+                  rows=results)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)
