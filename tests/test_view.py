@@ -168,3 +168,29 @@ def test_response_blocks():
         ("call", '{"code": "print', "bad_call"), ("reply", "Error: not closed with </tool_call>.", None),
         ("text", "so", None),
         ("call", '{"name": "code_int', None)]   # cut by the length budget: shown raw, not run
+
+
+def test_page_from_a_short_toy_run(tmp_path, monkeypatch):
+    import dataclasses
+    import rl
+    if "save_trajectories" not in {f.name for f in dataclasses.fields(rl.Config)}:
+        pytest.skip("rl.py does not keep trajectories yet (--save_trajectories)")
+    from data import toy
+    monkeypatch.chdir(tmp_path)   # the toy preset writes under ./runs/toy
+    toy.build(toy.DATA, n_train=8, n_heldout=4, sft=False)
+    rl.train(rl.parse_args(["--preset=toy", "--steps=2", "--prompts_per_step=2", "--samples_per_prompt=2",
+                            "--mini_batch_prompts=2", "--save_trajectories=1"]))
+    run = tmp_path / "runs" / "toy" / "rl"
+    records = [r for s in (1, 2) for r in view.read_jsonl(str(run / "trajectories" / f"step_{s:06d}.jsonl.gz"))]
+    assert len(records) == 4 and all("trainer_logprobs" in r and "advantage" in r for r in records)
+    text, page = build(run)
+    assert embedded(page) == sorted(records, key=lambda r: (r["step"], r["uid"], r["sample_index"]))
+    assert all("".join(d["pieces"]) == d["record"]["text"] for d in page.scripts.values())
+    visible = "".join(page.text)
+    for r in records:
+        assert f"reward {r['reward']:+.3f}" in visible
+        for kind, block, _ in view.response_blocks(r["text"], r["tool_calls"]):
+            assert block in visible, (kind, block)
+    assert text.count('class="ev"') == 2   # held-out accuracy before and after
+    text, page = build(run / "eval" / "step_000002")   # the run's held-out evaluation, an evaluate.py directory
+    assert len(page.scripts) == 4 and "tokenizer: " in "".join(page.text)
