@@ -82,7 +82,7 @@ _LL_REFER, _LL_TRUNCATE, _LL_IOCTL_DEV = 8192, 16384, 32768   # ABI 2, 3, 5
 def _check(ret: int, what: str) -> int:
     if ret == -1:
         err = ctypes.get_errno()
-        raise OSError(err, f"{what}: {errno.errorcode.get(err, err)} ({os.strerror(err)})")
+        raise OSError(err, f"{what}: {errno.errorcode.get(err, err)}")
     return ret
 
 
@@ -182,9 +182,11 @@ def enter_mount_namespace(workdir: str, disk_mb: float, userns: bool) -> None:
     if userns:
         uid, gid = os.geteuid(), os.getegid()
         _check(_libc.unshare(_CLONE_NEWUSER | _CLONE_NEWNS), "unshare(CLONE_NEWUSER|CLONE_NEWNS)")
+        prctl(PR_SET_DUMPABLE, 1)     # else /proc/self/*_map belong to root (the zygote is not dumpable)
         for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
             with open(f"/proc/self/{name}", "w") as f:
                 f.write(text)
+        prctl(PR_SET_DUMPABLE, 0)
     else:
         _check(_libc.unshare(_CLONE_NEWNS), "unshare(CLONE_NEWNS)")
     attr = ctypes.create_string_buffer(struct.pack("QQQQ", 1 | 2, 0, 1 << 18, 0), 32)
@@ -269,7 +271,7 @@ def _refusal(exc: OSError, number: int, cap: int | None = None) -> str:
     why = [str(exc.strerror or exc)]
     if _libc.syscall(ctypes.c_long(number), *[ctypes.c_long(-1)] * 5) == -1 and \
             ctypes.get_errno() in (errno.EPERM, errno.EACCES, errno.ENOSYS):
-        why.append(f"refused by a seccomp filter on this process (the container's profile?)")
+        why.append("refused by a seccomp filter on this process")
     if cap is not None and not has_capability(cap):
         why.append("this process lacks CAP_SYS_ADMIN")
     return ", ".join(why)

@@ -1,0 +1,191 @@
+"""The sandbox where GPU jobs run (issue 24): each row starts a pool in a simulated environment and
+checks that it starts, names the layers in force and why the others are not, and that the floor
+holds there. Run as root, this file is also the launcher: it changes what a child may do (a
+non-root uid, Docker's capabilities, a seccomp filter like Docker's default profile, a read-only
+cgroup mount, a rootless user namespace), then runs the check in a fresh Python.
+    python -m pytest -q -s tests/test_sandbox_envs.py      # -s prints the table's rows
+"""
+import ctypes
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import confine  # noqa: E402
+
+PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NOBODY = 65534
+DOCKER_CAPS = (0, 1, 3, 4, 5, 6, 7, 8, 10, 13, 18, 27, 29, 31)   # moby's default capability set
+# What Docker's default seccomp profile refuses to a container without CAP_SYS_ADMIN, of what the
+# sandbox uses; an older runtime's profile also lacks landlock_* and pidfd_open.
+DOCKER_REFUSES = ["mount", "umount2", "unshare", "setns", "mount_setattr", "open_tree", "move_mount", "fsopen",
+                  "fsconfig", "fsmount", "fspick", "pivot_root", "bpf", "perf_event_open"]
+OLD_RUNTIME_REFUSES = DOCKER_REFUSES + ["pidfd_open", "pidfd_send_signal", "pidfd_getfd", "landlock_create_ruleset",
+                                        "landlock_add_rule", "landlock_restrict_self"]
+LANDLOCK_NR = {"landlock_create_ruleset": 444, "landlock_add_rule": 445, "landlock_restrict_self": 446}
+
+# name: (what it stands for, launcher settings, layers expected not in force, words the reasons must hold)
+ENVIRONMENTS = {
+    "root": ("root on a VM or bare metal with a writable pids cgroup", {}, set(), []),
+    "non-root": ("any non-root user (Slurm, Apptainer/Singularity) where user namespaces are allowed",
+                 {"uid": NOBODY}, set(), []),
+    "docker": ("Docker with its default capabilities and seccomp profile; Kubernetes pods (RuntimeDefault)",
+               {"cgroup_ro": True, "caps": DOCKER_CAPS, "refuse": DOCKER_REFUSES}, {"mount", "tasks"},
+               ["refused by a seccomp filter", "lacks CAP_SYS_ADMIN", "read-only mount"]),
+    "docker-user": ("`docker --user`, Kubernetes runAsNonRoot: a non-root uid under Docker's profile",
+                    {"uid": NOBODY, "refuse": DOCKER_REFUSES}, {"mount", "tasks"},
+                    ["refused by a seccomp filter", "not writable by uid 65534"]),
+    "old-runtime": ("a runtime whose seccomp profile also refuses landlock_* and pidfd_open",
+                    {"cgroup_ro": True, "caps": DOCKER_CAPS, "refuse": OLD_RUNTIME_REFUSES},
+                    {"landlock", "mount", "tasks"}, ["landlock_create_ruleset: EPERM", "refused by a seccomp filter"]),
+    "old-runtime-user": ("the same as a non-root uid: the floor alone", {"uid": NOBODY, "refuse": OLD_RUNTIME_REFUSES},
+                         {"landlock", "mount", "tasks"}, ["landlock_create_ruleset: EPERM"]),
+    "rootless": ("a rootless user namespace (`unshare -Ur`, enroot, `--fakeroot`)",
+                 {"uid": NOBODY, "userns": True}, set(), []),
+    "landlock-3": ("Landlock ABI 1-3 (Ubuntu 22.04-era kernels): ABI 3 simulated", {"landlock_abi": 3}, set(), []),
+}
+
+# The floor's guarantees, checked inside each environment: what each must print.
+CHECKS = {
+    "fork": "import os\ntry:\n    os.fork() or os._exit(0)\n    print('FORKED')\nexcept OSError:\n    print('ok')",
+    "socket": "import socket\ntry:\n    socket.socket()\n    print('SOCKET')\nexcept OSError:\n    print('ok')",
+    "signal": "import os\ntry:\n    os.kill(1, 0)\n    print('SIGNALLED')\nexcept OSError:\n    print('ok')",
+    "inotify": "import ctypes\nprint('ok' if ctypes.CDLL(None).inotify_init1(0) < 0 else 'INOTIFY')",
+    "flock": "import fcntl\ntry:\n    fcntl.flock(0, fcntl.LOCK_SH)\n    print('LOCKED')\nexcept OSError:\n    print('ok')",
+    "utime": "import os, sys\ntry:\n    os.utime(sys.executable)\n    print('CHANGED')\nexcept OSError:\n    print('ok')",
+    "verdict": "import os, sys\nsys.excepthook = lambda *a: os._exit(0)\n1 / 0",
+    "disk": "import os\nn = 0\ntry:\n    for i in range(64):\n        open(f'f{i}', 'wb').write(b'x' * (1 << 20))\n"
+            "        n += 1\nexcept OSError:\n    pass\nprint('ok' if n <= 16 else n, flush=True)\nimport time\ntime.sleep(5)",
+    "threads": "import threading, time\nthreading.stack_size(1 << 16)\nn = 0\ntry:\n    for _ in range(1000):\n"
+               "        threading.Thread(target=time.sleep, args=(5,), daemon=True).start()\n        n += 1\n"
+               "except RuntimeError:\n    pass\nprint('ok' if n < 256 else n, flush=True)\ntime.sleep(5)",
+    "host file": f"try:\n    open({os.path.join(PROJECT, 'sandbox.py')!r}).read()\n    print('READ')\n"
+                 "except OSError:\n    print('refused')",
+}
+
+CHECK_SCRIPT = f"""
+import json, os, sys
+sys.path.insert(0, {PROJECT!r})
+import sandbox
+spec, checks = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+if spec.get("landlock_abi"):
+    found = dict(sandbox.grants(), landlock=min(spec["landlock_abi"], sandbox.grants()["landlock"]))
+    sandbox.grants = lambda: found
+with sandbox.Sandbox(workers=1, preimport=()) as pool:
+    line = pool.wait_ready()
+    results = pool.run_many(list(checks.values()), timeout=3, disk_mb=16)
+    print(json.dumps({{"line": line, "off": pool.off, "uid": os.getuid(), "results": {{
+        name: [r.status, r.stdout.strip(), r.stderr.strip()[-200:]] for name, r in zip(checks, results)}}}}))
+"""
+
+
+def _check(ret, what):
+    if ret != 0:
+        raise OSError(ctypes.get_errno(), f"{what}: {os.strerror(ctypes.get_errno())}")
+
+
+def runtime_filter(refused):
+    """A seccomp program like a container runtime's: EPERM for `refused`, clone with namespace
+    flags refused, clone3 answered ENOSYS (as Docker does), everything else allowed."""
+    table, allow = confine._SYSCALLS[confine.ARCH], (confine._RET, 0, 0, confine._ALLOW)
+    deny = (confine._RET, 0, 0, confine._ERRNO | 1)
+    prog = [(confine._LD, 0, 0, 4), (confine._JEQ, 1, 0, confine._AUDIT_ARCH[confine.ARCH]), allow, (confine._LD, 0, 0, 0)]
+    for name in refused:
+        prog += [(confine._JEQ, 0, 1, LANDLOCK_NR.get(name) or table[name]), deny]
+    prog += [(confine._JEQ, 0, 1, table["clone3"]), (confine._RET, 0, 0, confine._ERRNO | 38),
+             (confine._JEQ, 0, 4, table["clone"]), (confine._LD, 0, 0, 16), (confine._AND, 0, 0, 0x7E020000),
+             (confine._JEQ, 1, 0, 0), deny, allow]
+    return prog
+
+
+def expose_python():
+    """In this mount namespace, make the Python installation reachable by any uid: a 0700
+    directory above it (pyenv under /root) is covered by a tmpfs holding just the installation."""
+    prefix = os.path.realpath(sys.base_prefix)
+    above = ["/".join(prefix.split("/")[:i]) for i in range(2, prefix.count("/") + 1)]
+    closed = next((path for path in above if not os.stat(path).st_mode & 0o001), None)
+    if closed is None:
+        return
+    keep = tempfile.mkdtemp()
+    libc = ctypes.CDLL(None, use_errno=True)
+    _check(libc.mount(prefix.encode(), keep.encode(), None, 0x1000 | 0x4000, None), "bind")    # MS_BIND|MS_REC
+    _check(libc.mount(b"tmpfs", closed.encode(), b"tmpfs", 0, b"mode=0755"), "tmpfs")
+    os.makedirs(prefix, 0o755)
+    _check(libc.mount(keep.encode(), prefix.encode(), None, 0x2000, None), "move")             # MS_MOVE
+
+
+def launch(spec, argv):
+    """As root: change what this process may do as `spec` says, then exec `argv`."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if spec.get("cgroup_ro") or spec.get("uid"):
+        _check(libc.unshare(0x00020000), "unshare(CLONE_NEWNS)")
+        _check(libc.mount(None, b"/", None, 0x4000 | 0x40000, None), "make / private")       # MS_REC|MS_PRIVATE
+    if spec.get("cgroup_ro"):
+        attr = ctypes.create_string_buffer(bytes([1]) + bytes(31), 32)                       # MOUNT_ATTR_RDONLY
+        confine._syscall(confine._SYSCALLS[confine.ARCH]["mount_setattr"], -100,
+                         ctypes.create_string_buffer(b"/sys/fs/cgroup"), 0x8000, attr, 32, what="mount_setattr")
+    if spec.get("uid"):
+        expose_python()
+        os.setgroups([])
+        os.setresgid(spec["uid"], spec["uid"], spec["uid"])
+        os.setresuid(spec["uid"], spec["uid"], spec["uid"])
+        confine.prctl(confine.PR_SET_DUMPABLE, 1)      # a uid change made /proc/self root's
+    if spec.get("userns"):                      # what `unshare -Ur` does: root inside, the uid outside
+        _check(libc.unshare(0x10000000 | 0x00020000), "unshare(CLONE_NEWUSER)")
+        for name, text in (("setgroups", "deny"), ("uid_map", f"0 {spec['uid']} 1"), ("gid_map", f"0 {spec['uid']} 1")):
+            with open(f"/proc/self/{name}", "w") as f:
+                f.write(text)
+    if spec.get("caps"):
+        last = int(open("/proc/sys/kernel/cap_last_cap").read())
+        for cap in set(range(last + 1)) - set(spec["caps"]):
+            confine.prctl(24, cap)                                                            # PR_CAPBSET_DROP
+        mask = sum(1 << cap for cap in spec["caps"])
+        sets = [mask & 0xFFFFFFFF, mask & 0xFFFFFFFF, 0, mask >> 32, mask >> 32, 0]
+        _check(libc.capset(confine.struct.pack("Ii", 0x20080522, 0), confine.struct.pack("6I", *sets)), "capset")
+    if spec.get("refuse"):
+        confine.prctl(confine.PR_SET_NO_NEW_PRIVS, 1)
+        confine.install_seccomp(runtime_filter(spec["refuse"]), os.getpid())
+    os.execv(argv[0], argv)
+
+
+def run_in(name):
+    spec = ENVIRONMENTS[name][1]
+    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "TMPDIR": "/tmp", "HOME": "/tmp", "LANG": "C.UTF-8"}
+    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--launch", json.dumps(spec), "--",
+                          sys.executable, "-c", CHECK_SCRIPT, json.dumps(spec), json.dumps(CHECKS)],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or os.geteuid() != 0 or not shutil.which("true"),
+                    reason="the launcher needs root on Linux to simulate the environments")
+@pytest.mark.parametrize("name", ENVIRONMENTS)
+def test_the_sandbox_starts_and_says_what_is_in_force(name):
+    where, spec, expected_off, reasons = ENVIRONMENTS[name]
+    if spec.get("uid") and "mount" not in expected_off and not os.path.exists("/proc/self/ns/user"):
+        pytest.skip("this kernel has no user namespaces")
+    found = run_in(name)
+    print(f"\n{name} ({where}):\n    {found['line']}")
+    assert found["line"].startswith("sandbox: 1 workers; in force: seccomp, rlimits, no capabilities")
+    assert set(found["off"]) == expected_off, found["line"]
+    for word in reasons:
+        assert word in found["line"], (word, found["line"])
+    if spec.get("uid") and not spec.get("userns"):
+        assert found["uid"] == spec["uid"]
+    results = found["results"]
+    for check in set(CHECKS) - {"verdict", "host file", "disk", "threads"}:
+        assert results[check][:2] == ["ok", "ok"], (check, results[check])
+    assert results["verdict"][0] == "error", results["verdict"]
+    assert results["disk"][1] == "ok" or "MiB on disk, over" in results["disk"][2], results["disk"]
+    assert results["threads"][1] == "ok" or "tasks, over its 256" in results["threads"][2], results["threads"]
+    assert results["host file"][1] == ("READ" if "landlock" in expected_off else "refused"), results["host file"]
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--launch"]:
+    launch(json.loads(sys.argv[2]), sys.argv[4:])
