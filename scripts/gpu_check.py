@@ -119,7 +119,7 @@ def environment(device):
         except Exception:
             flash = model_py.flash_attn_varlen_func is not None and device.type == "cuda" and dtype != torch.float32
             line = "flash-attn (varlen; paged KV decode in 256-token blocks, CUDA graphs)" if flash else \
-                f"torch SDPA; rollout KV blocks of 16, no CUDA graphs ({err if device.type == 'cuda' else 'CPU'})"
+                f"torch SDPA; rollout KV blocks of 16, no CUDA graphs ({err or 'flash-attn is bf16/fp16 only'})"
         env[f"attention, {str(dtype)[6:]}"] = line
     return env
 
