@@ -264,12 +264,13 @@ def missing_layer() -> str | None:
         (ARCH not in _SYSCALLS and f"a seccomp filter for {ARCH}") or None
 
 
-def _refusal(exc: OSError, number: int, cap: int | None = None) -> str:
+def _refusal(exc: OSError, cap: int | None = None) -> str:
     """Why a call failed: its errno and, when that can be told, who refused it. A seccomp filter
     answers before the kernel reads any argument, so it refuses the same call with invalid ones,
-    which the kernel itself would answer EINVAL."""
-    why = [str(exc.strerror or exc)]
-    if _libc.syscall(ctypes.c_long(number), *[ctypes.c_long(-1)] * 5) == -1 and \
+    which the kernel itself answers EINVAL or EFAULT."""
+    why, name = [exc.strerror], exc.strerror.split("(")[0].split(":")[0]
+    number = {**_SYSCALLS[ARCH], "landlock_create_ruleset": _NR_LANDLOCK_CREATE}.get(name)
+    if number and _libc.syscall(ctypes.c_long(number), *[ctypes.c_long(-1)] * 5) == -1 and \
             ctypes.get_errno() in (errno.EPERM, errno.EACCES, errno.ENOSYS):
         why.append("refused by a seccomp filter on this process")
     if cap is not None and not has_capability(cap):
@@ -285,7 +286,6 @@ def _try_mount(userns: bool) -> dict:
         found = {"why": None, "nproc": False}
         try:
             enter_mount_namespace(directory, 1, userns)
-            os.setpgid(0, 0)
             resource.setrlimit(resource.RLIMIT_NPROC, (1, 1))
             try:
                 if os.fork() == 0:
@@ -293,13 +293,12 @@ def _try_mount(userns: bool) -> dict:
             except OSError:
                 found["nproc"] = True     # this process is the one task its count allows
         except OSError as exc:
-            nr = _SYSCALLS[ARCH]["mount_setattr" if "mount_setattr" in str(exc) else "unshare"]
-            found["why"] = _refusal(exc, nr, None if userns else _CAP_SYS_ADMIN)
+            found["why"] = _refusal(exc, None if userns else _CAP_SYS_ADMIN)
         os.write(write, json.dumps(found).encode())
         os._exit(0)
     os.close(write)
     with os.fdopen(read) as f:
-        found = json.loads(f.read() or '{"why": "the test child died"}')
+        found = json.loads(f.read() or '{"why": "the child trying it died", "nproc": false}')
     os.waitpid(pid, 0)
     os.rmdir(directory)
     return found
@@ -314,7 +313,7 @@ def detect() -> dict:
             _syscall(_NR_LANDLOCK_CREATE, 0, 0, 1, what="landlock_create_ruleset")
         except OSError as exc:
             hint = {errno.ENOSYS: "; no Landlock in this kernel?", errno.EOPNOTSUPP: "; add landlock to lsm= at boot"}
-            found["landlock_why"] = _refusal(exc, _NR_LANDLOCK_CREATE) + hint.get(exc.errno, "")
+            found["landlock_why"] = _refusal(exc) + hint.get(exc.errno, "")
     cgroup, version, found["cgroup_why"] = pids_cgroup()
     found["cgroup"] = cgroup and [cgroup, version]
     found["mount_root"], found["mount_user"] = _try_mount(False), _try_mount(True)

@@ -59,8 +59,8 @@ if __name__ == "__main__":  # a worker runs under `python -I`, which puts no scr
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import confine
 from confine import (ARCH, MAX_FILES, PR_SET_CHILD_SUBREAPER, PR_SET_DUMPABLE, PR_SET_NO_NEW_PRIVS, PR_SET_PDEATHSIG,
-                     Landlock, available_cores, drop_capabilities, enter_mount_namespace, install_seccomp, landlock_abi,
-                     missing_layer, prctl, readable_paths, seccomp_filter)
+                     Landlock, available_cores, drop_capabilities, enter_mount_namespace, install_seccomp, missing_layer,
+                     prctl, readable_paths, seccomp_filter)
 
 _THIS_FILE = os.path.abspath(__file__)     # what the workers run, whatever the cwd later
 TOOL_SCHEMA = {"type": "function", "function": {
@@ -462,8 +462,8 @@ LAYERS = {"landlock": "Landlock", "mount": "mount namespace", "tasks": "task cou
 def _layers(found: dict) -> tuple:
     """(plan the children follow, what is in force, {layer: why not} of LAYERS) from grants()."""
     root, user, cgroup = found["mount_root"], found["mount_user"], found["cgroup"]
-    nproc = not cgroup and not user["why"] and user["nproc"]
-    mount = "user" if nproc or root["why"] and not user["why"] else None if root["why"] else "root"
+    nproc = not cgroup and not user["why"] and user["nproc"]     # a run's own user namespace bounds its tasks
+    mount = "user" if nproc or (root["why"] and not user["why"]) else "root" if not root["why"] else None
     tasks = f"pids cgroup {cgroup[1]}" if cgroup else "RLIMIT_NPROC in a user namespace" if nproc else None
     plan = {"landlock": found["landlock"], "mount": mount, "cgroup": cgroup and cgroup[0], "nproc": nproc,
             "tasks": tasks or "polled by the pool", "watch": ["disk"] * (not mount) + ["tasks"] * (not tasks)}
