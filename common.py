@@ -8,6 +8,7 @@ import io
 import json
 import os
 import random
+import secrets
 import shutil
 import tokenize
 import warnings
@@ -121,11 +122,16 @@ def check_resume(saved, current, fields_that_matter, allow):
 
 
 class Metrics:
-    """out_dir/metrics.jsonl on rank 0. A resumed run first drops the lines past its step (written
-    after the checkpoint it resumes from), so no step appears twice."""
+    """out_dir/metrics.jsonl on rank 0 (path None: no file, out_dir says where wandb writes). A resumed run first drops the lines past its step
+    (written after the checkpoint it resumes from), so no step appears twice. With config.wandb_project set,
+    rank 0 also logs to Weights & Biases: the config once, every line's numbers under the same names ("time":
+    {"rollout": s} as time/rollout), the final summary; a resumed run continues the same wandb run."""
 
-    def __init__(self, path, config, step=0):
-        self.path = path if (not dist.is_initialized() or dist.get_rank() == 0) else None
+    def __init__(self, path, config, step=0, out_dir=None):
+        rank0 = not dist.is_initialized() or dist.get_rank() == 0
+        self.path, self.wandb = path if rank0 else None, None
+        if rank0 and getattr(config, "wandb_project", ""):
+            self.wandb = start_wandb(config, out_dir or os.path.dirname(path), step)
         if self.path is None:
             return
         kept = []
@@ -147,6 +153,43 @@ class Metrics:
         if self.path:
             with open(self.path, "a") as f:
                 f.write(json.dumps(record) + "\n")
+        numbers = flat_numbers({k: v for k, v in record.items() if k not in ("step", "config")})
+        if self.wandb and numbers:
+            self.wandb.log(numbers, step=record.get("step", 0))
+
+    def finish(self, summary=None):
+        """The run's summary into wandb (its numbers), and the wandb run closed."""
+        if self.wandb:
+            self.wandb.summary.update(flat_numbers(summary or {}))
+            self.wandb.finish()
+            self.wandb = None
+
+
+def flat_numbers(record, prefix=""):
+    """{"time": {"rollout": 1.5}, "event": "step"} -> {"time/rollout": 1.5}: the numbers, nested names joined by /."""
+    out = {}
+    for key, value in record.items():
+        if isinstance(value, dict):
+            out.update(flat_numbers(value, f"{prefix}{key}/"))
+        elif isinstance(value, (int, float)):  # bools too; strings and None are not plotted
+            out[prefix + key] = value
+    return out
+
+
+def start_wandb(config, out_dir, step):
+    """wandb.init on rank 0: project config.wandb_project, name config.wandb_run; the run's id kept in
+    out_dir/wandb_run_id, so a resumed run (step > 0) continues the same wandb run."""
+    try:
+        import wandb
+    except ImportError:
+        raise SystemExit("--wandb_project needs the wandb package: pip install wandb") from None
+    id_file = os.path.join(out_dir, "wandb_run_id")
+    run_id = open(id_file).read().strip() if step and os.path.exists(id_file) else secrets.token_hex(4)
+    os.makedirs(out_dir, exist_ok=True)
+    with open(id_file, "w") as f:
+        f.write(run_id)
+    return wandb.init(project=config.wandb_project, name=getattr(config, "wandb_run", "") or None, id=run_id,
+                      resume="allow", dir=out_dir, config=asdict(config))
 
 
 def checkpoints(out_dir, resumable=False):
@@ -165,12 +208,13 @@ def latest_resumable(out_dir):
 
 
 def build_model(path, device, sharded):
-    """One process: the checkpoint as is, in fp32. Under torchrun: FSDP2 with each block one unit
-    and the root (embeddings, final norm, tied head) another; bf16 compute with fp32 master weights
-    and gradient reduction on GPU. Rank 0 alone reads the weights and broadcasts them into the
-    sharded model, which is built on the meta device (no rank holds a full fp32 copy but rank 0)."""
+    """A model to train. One CPU process: the checkpoint as is, in fp32. Under torchrun, and on CUDA always (one
+    process too: fp32 GQA attention has no fused SDPA kernel, a 20k-token sequence would materialise [heads, T, T]
+    scores): FSDP2 with each block one unit and the root (embeddings, final norm, tied head) another; on CUDA bf16
+    compute with fp32 master weights and gradient reduction. Rank 0 alone reads the weights and broadcasts them
+    into the sharded model, built on the meta device (no rank holds a full fp32 copy but rank 0)."""
     from model import ModelConfig, Transformer
-    if not sharded:
+    if not (sharded or device.type == "cuda"):
         return Transformer.from_pretrained(path, device=device, dtype=torch.float32)
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
@@ -178,8 +222,7 @@ def build_model(path, device, sharded):
         config = ModelConfig.from_dict(json.load(f))
     with torch.device("meta"):
         model = Transformer(config)
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if device.type == "cuda" \
-        else MixedPrecisionPolicy()
+    mp = MixedPrecisionPolicy(param_dtype=compute_dtype(device), reduce_dtype=torch.float32)
     for block in model.model.layers:
         fully_shard(block, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
@@ -196,6 +239,16 @@ def build_model(path, device, sharded):
         model(torch.zeros(1, 2, dtype=torch.long, device=device))
     model.reshard()
     return model
+
+
+def compute_dtype(device):
+    """The dtype a trained model computes (and samples) in: bf16 on CUDA, fp32 on CPU."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def is_fsdp(model):
+    from torch.distributed.fsdp import FSDPModule
+    return isinstance(model, FSDPModule)
 
 
 def clip_grads(model, max_norm):

@@ -62,6 +62,9 @@ class EvalConfig:
     filter_out: str = ""                # model-aware filtering: write the kept problems here
     seed: int = 0
     dtype: str = ""                     # "" = bfloat16 on CUDA, float32 on CPU
+    attn_backend: str = "auto"          # auto (flash-attn where it imports, on CUDA) | sdpa | flash (an error without it)
+    wandb_project: str = ""             # log the config and the summary to Weights & Biases ("": off)
+    wandb_run: str = ""                 # the wandb run's name ("": wandb's own)
 
 
 BENCHMARK_TITLES = {"aime24": ("MATH", "AIME2024"), "aime25": ("MATH", "AIME2025"),
@@ -415,7 +418,7 @@ def markdown_table(summary, name="model"):
     return "\n".join(lines + ["", "avg@n, pass@k, maj@k and call ok in %; LiveCodeBench's headline is pass@1."])
 
 
-HEAVY_KEYS = ("prompt_ids", "response_ids", "loss_mask", "logprobs", "text")
+HEAVY_KEYS = ("prompt_ids", "response_ids", "loss_mask", "logprobs", "text", "prompt")
 
 
 def check_problem(p):
@@ -509,10 +512,11 @@ def read_done(paths, n):
     return {uid: [s[i] for i in range(n)] for uid, s in seen.items() if all(i in s for i in range(n))}
 
 
-def evaluate(model, tokenizer, problems, cfg, out_dir=None, progress=True):
+def evaluate(model, tokenizer, problems, cfg, out_dir=None, progress=True, engine=None):
     """Roll out, grade and summarise -> (this rank's records, summary). Each rank takes
     problems[rank::world]; all return the same summary. With out_dir, records are appended to
-    out_dir/trajectories[.rankR].jsonl batch by batch and problems complete there are skipped."""
+    out_dir/trajectories[.rankR].jsonl batch by batch and problems complete there are skipped.
+    engine: the rollout Engine to use (rl.py passes its own); else one made here serves every batch."""
     import rollout
     import sandbox
     import torch
@@ -529,6 +533,8 @@ def evaluate(model, tokenizer, problems, cfg, out_dir=None, progress=True):
     # the sampling and tool settings share their names; the seed goes per problem below
     rcfg = rollout.RolloutConfig(**{f.name: getattr(cfg, f.name) for f in fields(rollout.RolloutConfig)
                                     if f.name != "seed"})
+    if engine is None and todo:  # one pool for every batch, sized for the largest
+        engine = rollout.Engine(model, max_seq_lens=[cfg.max_prompt_tokens + cfg.max_response_tokens] * bs * cfg.n)
     name = "trajectories.jsonl" if world == 1 else f"trajectories.rank{rank}.jsonl"
     with (open(os.path.join(out_dir, name), "a", encoding="utf-8") if out_dir else nullcontext() as traj_file,
           tqdm(total=len(todo), desc="eval", disable=not progress or rank != 0, unit="problem") as bar):
@@ -537,8 +543,9 @@ def evaluate(model, tokenizer, problems, cfg, out_dir=None, progress=True):
             # a seed per problem from its uid: reruns, resumes and any rank split sample the same
             seeds = [(cfg.seed * 1_000_003 + zlib.crc32(p["uid"].encode())) % 2**31 for p in batch]
             with torch.no_grad():  # rl.py calls this with its training model
-                trajs = rollout.rollout(model, tokenizer, batch, rcfg, sandbox=sandbox, seeds=seeds)
-            new = [grade_trajectory(batch[t.problem_index], t.to_dict(), cfg) for t in trajs]
+                trajs = rollout.rollout(model, tokenizer, batch, rcfg, sandbox=sandbox, seeds=seeds, engine=engine)
+            new = [grade_trajectory(batch[t.problem_index], dict(t.to_dict(), prompt=tokenizer.decode(t.prompt_ids)), cfg)
+                   for t in trajs]
             if traj_file:  # one write per batch, then fsync: a kill leaves at most one torn line
                 traj_file.write("".join(json.dumps(light(r) if cfg.filter_out else r) + "\n" for r in new))
                 traj_file.flush()
@@ -598,8 +605,8 @@ def toy_arguments():
 
 def main(argv=None):
     import torch
-    from common import distributed
-    from model import Transformer
+    from common import Metrics, distributed, print0
+    from model import Transformer, attention_path
     from transformers import AutoTokenizer
     argv = sys.argv[1:] if argv is None else argv
     cfg = parse_config(argv or toy_arguments())
@@ -610,6 +617,10 @@ def main(argv=None):
         out_dir = cfg.out or os.path.join("runs", "eval", os.path.basename(os.path.normpath(cfg.model)))
         dtype = getattr(torch, cfg.dtype) if cfg.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
         model = Transformer.from_pretrained(cfg.model, device=device, dtype=dtype).eval()
+        model.attn_backend = cfg.attn_backend
+        if device.type == "cuda" or cfg.attn_backend == "flash":
+            print0(attention_path(cfg.attn_backend, device, dtype))
+        metrics = Metrics(None, cfg, out_dir=out_dir)
         t0 = time.time()
         records, summary = evaluate(model, AutoTokenizer.from_pretrained(cfg.model), problems, cfg, out_dir=out_dir)
         if cfg.filter_out:
@@ -623,6 +634,8 @@ def main(argv=None):
                 json.dump(summary, f, indent=2)
             print(markdown_table(summary, os.path.basename(os.path.normpath(cfg.model))))
             print(f"\nwrote {out_dir}/summary.json and the trajectories beside it")
+            metrics.log(step=0, overall=summary["overall"], benchmarks=summary["benchmarks"])
+            metrics.finish(dict(overall=summary["overall"], seconds=summary["seconds"]))
 
 
 if __name__ == "__main__":

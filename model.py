@@ -20,10 +20,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-try:  # optional GPU kernels
-    from flash_attn import flash_attn_varlen_func
-except Exception:  # ImportError, or a broken CUDA build
-    flash_attn_varlen_func = None
+try:  # optional GPU kernels (rollout.py uses the paged-KV one)
+    from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
+    FLASH_ERROR = None
+except Exception as e:  # ImportError, or a broken CUDA build: said by attention_path(), never silently
+    flash_attn_varlen_func = flash_attn_with_kvcache = None
+    FLASH_ERROR = f"{type(e).__name__}: {e}"
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -112,14 +114,31 @@ def apply_rope(x, cos, sin):
     return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
 
 
+def use_flash(backend, device, dtype):
+    """Whether attention runs flash-attn: backend "flash" (an error without a working flash-attn), "sdpa",
+    or "auto" (flash-attn when it imports, on CUDA, in bf16/fp16)."""
+    if backend not in ("auto", "sdpa", "flash"):
+        raise ValueError(f"attn_backend must be auto, sdpa or flash, not {backend!r}")
+    if backend == "flash" and flash_attn_varlen_func is None:
+        raise RuntimeError(f"attn_backend='flash' but flash-attn does not import: {FLASH_ERROR}")
+    return backend == "flash" or (backend == "auto" and flash_attn_varlen_func is not None
+                                  and torch.device(device).type == "cuda" and dtype in (torch.float16, torch.bfloat16))
+
+
+def attention_path(backend, device, dtype):
+    """One line: which attention runs here and why (what the stages print once at start-up)."""
+    if use_flash(backend, device, dtype):
+        return "attention: flash-attn (varlen training, paged KV decode in blocks of 256 with CUDA graphs)"
+    why = (f"attn_backend={backend}" if backend != "auto" else f"flash-attn does not import ({FLASH_ERROR})"
+           if FLASH_ERROR else f"flash-attn needs CUDA in bf16/fp16, here {torch.device(device).type} {dtype}")
+    return f"attention: torch SDPA, {why}; rollout KV blocks of 16, no CUDA graphs, half the KV budget for row buffers"
+
+
 def attention(q, k, v, packed=None, backend="auto"):
     """Causal attention, q [B, T, Hq, D], k/v [B, T, Hkv, D] -> [B, T, Hq, D]. packed: None or
     (cu_seqlens on the device, the same boundaries as a host list, the longest sequence)."""
     B, T = q.shape[:2]
-    if backend == "flash" and flash_attn_varlen_func is None:
-        raise RuntimeError("attn_backend='flash' but flash_attn is not installed")
-    if backend == "flash" or (backend == "auto" and flash_attn_varlen_func is not None and q.is_cuda
-                              and q.dtype in (torch.float16, torch.bfloat16)):
+    if use_flash(backend, q.device, q.dtype):
         cu, _, longest = packed or (torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=q.device), None, T)
         out = flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu, cu, longest, longest,
                                      causal=True)
@@ -237,7 +256,8 @@ class _ChunkedLogprobs(torch.autograd.Function):
             if want_entropy:                                         # H = lse - sum p z
                 ent[s:s + chunk] = lse[s:s + chunk] - (torch.softmax(z, -1) * z).sum(-1)
         ctx.save_for_backward(h, weight, targets, lse, ent)
-        ctx.temperature, ctx.want_entropy, ctx.block_bytes = temperature, want_entropy, block_bytes
+        ctx.temperature, ctx.block_bytes = temperature, block_bytes
+        ctx.set_materialize_grads(False)  # an output nobody differentiates gets None, not a tensor of zeros
         return logp, ent
 
     @staticmethod
@@ -247,8 +267,8 @@ class _ChunkedLogprobs(torch.autograd.Function):
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_h = torch.zeros(h.shape, dtype=torch.float32, device=h.device) if need_h else None
         grad_w = torch.empty_like(weight) if need_w else None
-        g_logp = g_logp.float()[:, None]                                  # [N, 1]
-        g_ent = g_ent.float()[:, None] if ctx.want_entropy else None
+        g_logp = torch.zeros(N, 1, device=h.device) if g_logp is None else g_logp.float()[:, None]   # [N, 1]
+        g_ent = None if g_ent is None else g_ent.float()[:, None]
         cols = max(1, ctx.block_bytes // (4 * N))
         for c in range(0, V, cols):
             w = weight[c:c + cols]                                        # [Vc, D]
@@ -256,8 +276,9 @@ class _ChunkedLogprobs(torch.autograd.Function):
             p = logp_all.exp()
             # d log p[target] / dz = onehot - p;  dH / dz = -p (log p + H)
             gz = logp_all.add_(ent[:, None]).mul_(-g_ent).sub_(g_logp).mul_(p) if g_ent is not None else p.mul_(-g_logp)
-            rows = ((targets >= c) & (targets < c + cols)).nonzero().squeeze(1)
-            gz[rows, targets[rows] - c] += g_logp[rows, 0]
+            # + g_logp at each row's target if it falls in this block (a masked scatter: no host sync)
+            inside = (targets >= c) & (targets < c + w.shape[0])
+            gz.scatter_add_(1, (targets - c).clamp(0, w.shape[0] - 1)[:, None], g_logp * inside[:, None])
             gz = gz.div_(ctx.temperature).to(weight.dtype)
             if need_h:
                 grad_h += (gz @ w).float()

@@ -25,6 +25,7 @@ Departures from the paper's run (verl + SGLang):
 """
 
 import ast
+import gzip
 import json
 import math
 import os
@@ -44,8 +45,9 @@ import evaluate
 import rollout
 import sandbox
 from data import toy
-from common import Metrics, build_model, check_resume, clip_grads, latest_resumable, load_checkpoint, parse_config, \
-    print0, resolve_model, save_checkpoint, distributed
+from common import Metrics, build_model, check_resume, clip_grads, compute_dtype, distributed, is_fsdp, \
+    latest_resumable, load_checkpoint, parse_config, print0, resolve_model, save_checkpoint
+from model import DTYPES, attention_path
 
 
 @dataclass
@@ -108,7 +110,12 @@ class Config:  # defaults: the paper's recipe (../shared/DESIGN.md, Open-AgentRL
     keep_checkpoints: int = 1      # newest checkpoints that keep their resume state
     log_samples: int = 1           # trajectories printed per step
     activation_checkpointing: bool = True
-    attn_backend: str = "auto"
+    attn_backend: str = "auto"     # auto (flash-attn where it imports, on CUDA) | sdpa | flash (an error without it)
+    kv_memory_utilization: float = 0.9  # CUDA: share of the GPU the KV pool may fill up to, the trainer's peak counted
+    save_dtype: str = "auto"       # saved HF weights: "auto" (the base checkpoint's) | float32 | bfloat16
+    save_trajectories: int = 1     # whole groups kept per step in out_dir/trajectories/step_NNNNNN.jsonl.gz (0: none)
+    wandb_project: str = ""        # log to Weights & Biases under this project ("": off)
+    wandb_run: str = ""            # the wandb run's name ("": wandb's own)
 
 
 # `python rl.py`: the toy tool-use task (data/toy.py) from the shipped SFT start, on a laptop CPU
@@ -253,18 +260,23 @@ def problem_seed(seed, step, position):
 @contextmanager
 def full_weights(model):
     """Generation needs every weight on every rank: under FSDP2 all-gather each unit once for the
-    whole rollout (not once per token) and free it afterwards; a plain module is already whole."""
+    whole rollout (not once per token) and free it afterwards; a plain module is already whole.
+    Afterwards the blocks reshard after each forward again, the root does not (FSDP's own choice
+    for it: its embeddings and head would be gathered again at once for the backward)."""
     from torch.distributed.fsdp import FSDPModule
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if units:
+        model.set_reshard_after_forward(False)  # every unit
     for u in units:
-        u.set_reshard_after_forward(False)
         u.unshard()
     try:
         yield model
     finally:
         for u in units:
             u.reshard()
-            u.set_reshard_after_forward(True)
+        if units:
+            model.set_reshard_after_forward(True)
+            model.set_reshard_after_forward(False, recurse=False)
 
 
 def all_reduce(values, device, op=dist.ReduceOp.SUM):
@@ -277,6 +289,48 @@ def all_gather_list(items):
     parts = [None] * dist.get_world_size()
     dist.all_gather_object(parts, list(items))
     return [x for part in parts for x in part]
+
+
+@contextmanager
+def phase(name, times, memory, device):
+    """times[name]: the seconds of the block; on CUDA memory[name]: its peak allocation in GiB."""
+    t0 = time.time()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    yield
+    times[name] = time.time() - t0
+    if device.type == "cuda":
+        memory[name] = round(torch.cuda.max_memory_allocated(device) / 2**30, 3)
+
+
+def trainer_peak(model, opt, cfg, device):
+    """CUDA bytes the trainer needs at its peak, weights included: a forward and backward of one update micro-batch
+    of micro_batch_tokens and a no-grad pass of one log-prob micro-batch, run once on dummy tokens, plus AdamW's
+    two fp32 moments, which its first step allocates. Every rank runs it (FSDP's collectives)."""
+    torch.cuda.reset_peak_memory_stats(device)
+    for n, grad in ((cfg.logprob_micro_batch_tokens, False), (cfg.micro_batch_tokens, True)):
+        ids, cu = torch.zeros(1, n, dtype=torch.long, device=device), torch.tensor([0, n], dtype=torch.int32, device=device)
+        model.train(grad)
+        with torch.set_grad_enabled(grad):
+            logp = model.token_logprobs(ids, ids, cu_seqlens=cu)
+            if grad:
+                (logp.sum() * 0.0).backward()
+    opt.zero_grad(set_to_none=True)
+    shard = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in model.parameters())
+    return torch.cuda.max_memory_allocated(device) + 2 * 4 * shard
+
+
+def make_engine(model, opt, cfg, device, world, evaluating):
+    """The process's one Engine (KV pool and CUDA graphs), for every rollout and evaluation: its pool holds the
+    larger of a step's and an evaluation batch's sequences at full length; on CUDA no more than the device has
+    left at the trainer's measured peak (kv_memory_utilization of it)."""
+    seqs = max(-(-cfg.prompts_per_step // world) * cfg.samples_per_prompt,
+               evaluate.EvalConfig.problems_per_batch * cfg.eval_n if evaluating else 0)
+    budget = None
+    if device.type == "cuda":
+        budget = rollout.kv_budget(device, cfg.kv_memory_utilization, trainer_peak(model, opt, cfg, device))
+    return rollout.Engine(model, max_seq_lens=[cfg.max_prompt_tokens + cfg.max_response_tokens] * seqs,
+                          kv_cache_bytes=budget, dtype=compute_dtype(device))
 
 
 # ---------------------------------------------------------------- rollout and grading
@@ -323,7 +377,7 @@ def grade(problems, trajs, cfg):
             prompt_len=len(t.prompt_ids), mask=list(t.loss_mask), sampler_logprobs=list(t.logprobs),
             score=score, correct=score >= 1.0, reward=shape_reward(correct_r, tool_turns, len(t.response_ids), cfg),
             tool_calls=len(t.tool_calls), tool_ok=sum(c["status"] == "ok" for c in t.tool_calls),
-            length=len(t.response_ids), finish=t.finish_reason, text=t.text)
+            length=len(t.response_ids), finish=t.finish_reason, text=t.text, traj=t)
 
     with ThreadPoolExecutor(max(1, cfg.score_workers)) as pool:
         return list(pool.map(one, trajs))
@@ -390,17 +444,20 @@ def update(model, opt, samples, num_tokens, num_seqs, cfg, device, world):
     model.train()
     opt.zero_grad(set_to_none=True)
     clip_high = cfg.clip_high if cfg.clip_higher else cfg.clip_low
-    totals = {}
-    for batch in pack(samples, cfg.micro_batch_tokens, device):
+    totals, batches, fsdp = {}, pack(samples, cfg.micro_batch_tokens, device), is_fsdp(model)
+    for k, batch in enumerate(batches):
+        if fsdp:  # reduce-scatter the gradients once, after the last micro-batch
+            model.set_requires_gradient_sync(k == len(batches) - 1)
         mb = micro_tensors(batch, device)
-        logp, ent = model.token_logprobs(mb["input_ids"], mb["targets"], cu_seqlens=mb["cu_seqlens"],
-                                         return_entropy=True, temperature=cfg.temperature)   # [1, N] each
+        out = model.token_logprobs(mb["input_ids"], mb["targets"], cu_seqlens=mb["cu_seqlens"],
+                                   return_entropy=cfg.entropy_coef > 0, temperature=cfg.temperature)   # [1, N] each
+        logp, ent = out if cfg.entropy_coef > 0 else (out, None)
         old = torch.cat([s["old_logprobs"] for s in batch]).to(device)[None]
         # TIS: the sampler drew these tokens, so weight them towards the trainer's numbers
         is_w = torch.exp(old - mb["sampler_logprobs"]).clamp(max=cfg.tis_cap) * mb["mask"] if cfg.tis_cap > 0 else None
         agg = dict(agg=cfg.loss_agg, num_tokens=num_tokens, seq_ids=mb["seq_ids"], num_seqs=num_seqs)
         loss, stats = grpo_tcr_loss(logp, old, mb["adv"], mb["mask"], cfg.clip_low, clip_high, cfg.clip_c,
-                                    is_weights=is_w, entropy=ent.detach(), **agg)
+                                    is_weights=is_w, **agg)
         if cfg.entropy_coef > 0:  # the entropy of the differentiable forward, aggregated like the loss
             loss = loss - cfg.entropy_coef * aggregate(ent, mb["mask"], **agg)
         if cfg.kl_coef > 0:       # verl's low_var_kl (k3) to the frozen start policy, clamped as there
@@ -417,7 +474,7 @@ def update(model, opt, samples, num_tokens, num_seqs, cfg, device, world):
 
 
 # ---------------------------------------------------------------- evaluation and metrics
-def run_eval(model, tokenizer, problems, cfg, step):
+def run_eval(model, tokenizer, problems, cfg, step, engine):
     """Held-out accuracy with evaluate.py's protocol (temperature 1.0, top-p 0.6, eval_n samples)."""
     ecfg = evaluate.EvalConfig(n=cfg.eval_n, temperature=cfg.eval_temperature, top_p=cfg.eval_top_p,
                                code_test_timeout=cfg.code_test_timeout, seed=cfg.seed,
@@ -425,7 +482,7 @@ def run_eval(model, tokenizer, problems, cfg, step):
     out = os.path.join(cfg.out_dir, "eval", f"step_{step:06d}")
     model.eval()
     with full_weights(model):
-        _, summary = evaluate.evaluate(model, tokenizer, problems, ecfg, out_dir=out, progress=False)
+        _, summary = evaluate.evaluate(model, tokenizer, problems, ecfg, out_dir=out, progress=False, engine=engine)
     tools = summary["overall"].get("tools", {})
     result = {"step": step, "accuracy": summary["overall"].get("headline"),
               "tool_calls_per_response": tools.get("tool_calls_per_response"),
@@ -436,9 +493,10 @@ def run_eval(model, tokenizer, problems, cfg, step):
     return result
 
 
-def step_metrics(step, everyone, groups, updates, samples, device):
+def step_metrics(step, everyone, groups, updates, samples, device, engine_stats):
     """One metrics line: rewards, accuracy, tool use, lengths, the loss stats (means over the
-    updates), the entropy and the sampler/trainer log-prob mismatch over this step's tokens."""
+    updates), the entropy and the sampler/trainer log-prob mismatch over this step's tokens, the
+    KV pool (its size, its peak use and the preemptions: the largest and the sum over ranks)."""
     n, calls = len(everyone), sum(s["tool_calls"] for s in everyone)
     ent = total = worst = outside = count = 0.0
     for s in samples:
@@ -448,7 +506,7 @@ def step_metrics(step, everyone, groups, updates, samples, device):
         total, count = total + float(d.abs().sum()), count + d.numel()
         worst = max([worst] + d.abs().tolist())
         outside += float(((d.exp() < 0.9) | (d.exp() > 1.1)).sum())
-    ent, total, outside, count = all_reduce([ent, total, outside, count], device)
+    ent, total, outside, count, preemptions = all_reduce([ent, total, outside, count, engine_stats["preemptions"]], device)
     rec = {"event": "step", "step": step, "reward": sum(s["reward"] for s in everyone) / n,
            "accuracy": sum(s["correct"] for s in everyone) / n, "score": sum(s["score"] for s in everyone) / n,
            "tool_calls_per_traj": calls / n,
@@ -460,7 +518,9 @@ def step_metrics(step, everyone, groups, updates, samples, device):
            "groups_all_equal": sum(max(g) == min(g) for g in groups.values()) / len(groups),
            "entropy": ent / max(count, 1), "mismatch_mean": total / max(count, 1),
            "mismatch_max": all_reduce([worst], device, dist.ReduceOp.MAX)[0],
-           "mismatch_outside": outside / max(count, 1), "updates": len(updates)}
+           "mismatch_outside": outside / max(count, 1), "updates": len(updates),
+           "kv_pool_tokens": engine_stats["kv_pool_tokens"], "preemptions": int(preemptions),
+           "kv_peak_tokens": int(all_reduce([engine_stats["kv_peak_tokens"]], device, dist.ReduceOp.MAX)[0])}
     for k in ("loss", "clip_high", "clip_low", "clip_dual", "approx_kl", "ref_kl", "grad_norm"):
         vals = [u[k] for u in updates if k in u]
         if vals:
@@ -468,6 +528,28 @@ def step_metrics(step, everyone, groups, updates, samples, device):
     if updates:
         rec["grad_norm_max"] = max(u["grad_norm"] for u in updates)
     return rec
+
+
+def keep_trajectories(cfg, step, batch_ids, batch, samples, tokenizer):
+    """The step's first cfg.save_trajectories groups, whole, into out_dir/trajectories/step_NNNNNN.jsonl.gz (rank 0
+    writes what every rank sends): evaluate.py's trajectory records plus the step, reward, advantage and the
+    trainer's log-probs of the response tokens (what `python scripts/view.py out_dir` shows)."""
+    mine = []
+    for s in samples:
+        if s["problem"] < cfg.save_trajectories:
+            t, p, start = s["traj"], batch[s["problem"]], s["prompt_len"] - 1
+            mine.append(dict(t.to_dict(), step=step, problem_index=s["problem"], uid=str(batch_ids[s["problem"]]),
+                             kind=p["kind"], source=p.get("source"), prompt=tokenizer.decode(t.prompt_ids),
+                             reward=s["reward"], advantage=s["adv"], score=s["score"], correct=s["correct"],
+                             logprobs=[round(x, 4) for x in t.logprobs],
+                             trainer_logprobs=[round(x, 4) for x in s["old_logprobs"][start:].tolist()]))
+    everyone = all_gather_list(mine)
+    if dist.get_rank() == 0 and everyone:
+        folder = os.path.join(cfg.out_dir, "trajectories")
+        os.makedirs(folder, exist_ok=True)
+        with gzip.open(os.path.join(folder, f"step_{step:06d}.jsonl.gz"), "wt", encoding="utf-8") as f:
+            f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in sorted(everyone, key=lambda r: (
+                r["problem_index"], r["sample_index"])))
 
 
 def learning_curve(out_dir):
@@ -530,6 +612,8 @@ def _train(cfg, rank, world, device, sharded):
 
     model = build_model(path, device, sharded)
     model.attn_backend, model.gradient_checkpointing = cfg.attn_backend, cfg.activation_checkpointing
+    if device.type == "cuda" or cfg.attn_backend == "flash":
+        print0(attention_path(cfg.attn_backend, device, compute_dtype(device)))
     ref = build_model(path, device, sharded).requires_grad_(False) if cfg.kl_coef > 0 else None  # frozen start
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay)
     start, evals = 0, {}
@@ -540,35 +624,37 @@ def _train(cfg, rank, world, device, sharded):
         start, evals = trainer["step"], trainer["evals"]
         print0(f"resumed from {resume_from} at step {start}")
     metrics = Metrics(os.path.join(cfg.out_dir, "metrics.jsonl"), cfg, start)
+    engine = make_engine(model, opt, cfg, device, world, bool(eval_problems))
     print0(f"rl: {len(problems)} problems, {steps} steps of {cfg.prompts_per_step} x {cfg.samples_per_prompt}, "
-           f"world {world}, device {device}")
+           f"world {world}, device {device}, KV pool {engine.stats['kv_pool_tokens']} tokens per rank")
     if eval_problems and start == 0:
-        evals["before"] = run_eval(model, tokenizer, eval_problems, cfg, 0)
+        evals["before"] = run_eval(model, tokenizer, eval_problems, cfg, 0, engine)
         print0(f"eval before: accuracy {evals['before']['accuracy']:.3f}")
 
     timed_sandbox = TimedSandbox()
     for step in range(start, steps):
-        t_step, times = time.time(), {}
+        t_step, times, memory = time.time(), {}, {}
         # 1. rollout: this rank takes every world-th problem, so each mini-batch is on every rank
-        batch = [problems[i] for i in batch_indices(step, cfg.prompts_per_step, len(problems), cfg.seed)]
+        batch_ids = batch_indices(step, cfg.prompts_per_step, len(problems), cfg.seed)
+        batch = [problems[i] for i in batch_ids]
         mine = list(range(rank, len(batch), world))
-        t0, timed_sandbox.seconds = time.time(), 0.0
-        model.eval()
-        with full_weights(model):
-            trajs = rollout.rollout(model, tokenizer, [batch[i] for i in mine], rcfg, sandbox=timed_sandbox,
-                                    seeds=[problem_seed(cfg.seed, step, i) for i in mine])
-        times["rollout"], times["sandbox"] = time.time() - t0, timed_sandbox.seconds
+        timed_sandbox.seconds = 0.0
+        with phase("rollout", times, memory, device):
+            model.eval()
+            with full_weights(model):
+                trajs = rollout.rollout(model, tokenizer, [batch[i] for i in mine], rcfg, sandbox=timed_sandbox,
+                                        seeds=[problem_seed(cfg.seed, step, i) for i in mine], engine=engine)
+        times["sandbox"] = timed_sandbox.seconds
 
         # 2. rewards and group advantages (a problem's whole group is on this rank)
-        t0 = time.time()
-        samples = grade([batch[i] for i in mine], trajs, cfg)
-        for s in samples:
-            s["problem"] = mine[s["problem"]]  # its place in the global batch
-        samples.sort(key=lambda s: (s["problem"], s["sample"]))
-        for s, a in zip(samples, group_advantages([s["reward"] for s in samples], cfg.samples_per_prompt,
-                                                  cfg.adv_eps).tolist()):
-            s["adv"] = a
-        times["score"] = time.time() - t0
+        with phase("score", times, memory, device):
+            samples = grade([batch[i] for i in mine], trajs, cfg)
+            for s in samples:
+                s["problem"] = mine[s["problem"]]  # its place in the global batch
+            samples.sort(key=lambda s: (s["problem"], s["sample"]))
+            for s, a in zip(samples, group_advantages([s["reward"] for s in samples], cfg.samples_per_prompt,
+                                                      cfg.adv_eps).tolist()):
+                s["adv"] = a
         everyone = all_gather_list([{k: v for k, v in s.items() if k in ("problem", "reward", "score", "correct",
                                      "tool_calls", "tool_ok", "length", "finish")} for s in samples])
         groups = {}
@@ -578,44 +664,50 @@ def _train(cfg, rank, world, device, sharded):
         kept = {p for p, g in groups.items() if max(g) > min(g) or not cfg.dynamic_sampling}
 
         # 3. old (and reference) log-probs with the training forward
-        t0 = time.time()
-        score_tokens(model, samples, "old_logprobs", cfg, device, entropy=True)
-        if ref is not None:
-            score_tokens(ref, samples, "ref_logprobs", cfg, device)
-        times["old_logprob"] = time.time() - t0
+        with phase("old_logprob", times, memory, device):
+            score_tokens(model, samples, "old_logprobs", cfg, device, entropy=True)
+            if ref is not None:
+                score_tokens(ref, samples, "ref_logprobs", cfg, device)
 
         # 4. PPO updates: one optimizer step per mini-batch of mini_batch_prompts problems
-        t0, updates = time.time(), []
-        for _ in range(cfg.ppo_epochs):
-            for first in range(0, cfg.prompts_per_step, cfg.mini_batch_prompts):
-                part = [s for s in samples if first <= s["problem"] < first + cfg.mini_batch_prompts
-                        and s["problem"] in kept]
-                num_tokens, num_seqs = all_reduce([sum(sum(s["mask"]) for s in part), len(part)], device)
-                if num_seqs == 0:
-                    continue
-                stats = update(model, opt, part, num_tokens, int(num_seqs), cfg, device, world)
-                if not (math.isfinite(stats["loss"]) and math.isfinite(stats["grad_norm"])):
-                    raise SystemExit(f"step {step + 1}: loss {stats['loss']} / grad norm {stats['grad_norm']} is not "
-                                     f"finite; stopping before the optimizer step (checkpoints: {cfg.out_dir})")
-                opt.step()
-                updates.append(stats)
-        times["update"] = time.time() - t0
+        updates = []
+        with phase("update", times, memory, device):
+            for _ in range(cfg.ppo_epochs):
+                for first in range(0, cfg.prompts_per_step, cfg.mini_batch_prompts):
+                    part = [s for s in samples if first <= s["problem"] < first + cfg.mini_batch_prompts
+                            and s["problem"] in kept]
+                    num_tokens, num_seqs = all_reduce([sum(sum(s["mask"]) for s in part), len(part)], device)
+                    if num_seqs == 0:
+                        continue
+                    stats = update(model, opt, part, num_tokens, int(num_seqs), cfg, device, world)
+                    if not (math.isfinite(stats["loss"]) and math.isfinite(stats["grad_norm"])):
+                        raise SystemExit(f"step {step + 1}: loss {stats['loss']} / grad norm {stats['grad_norm']} is "
+                                         f"not finite; stopping before the optimizer step (checkpoints: {cfg.out_dir})")
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)  # the gradients' memory goes back to the rollout's pool
+                    updates.append(stats)
 
         # 5. log, evaluate, save
-        record = step_metrics(step + 1, everyone, groups, updates, samples, device)
+        record = step_metrics(step + 1, everyone, groups, updates, samples, device, engine.stats)
+        keep_trajectories(cfg, step + 1, batch_ids, batch, samples, tokenizer)
         t0, last = time.time(), step + 1 == steps
         if eval_problems and (last or (cfg.eval_every and (step + 1) % cfg.eval_every == 0)):
-            record["eval"] = evals["last"] = run_eval(model, tokenizer, eval_problems, cfg, step + 1)
+            record["eval"] = evals["last"] = run_eval(model, tokenizer, eval_problems, cfg, step + 1, engine)
             if last:
                 evals["after"] = evals["last"]
         if last or (cfg.save_every and (step + 1) % cfg.save_every == 0):
+            save_dtype = DTYPES[model.config.dtype if cfg.save_dtype == "auto" else cfg.save_dtype]
             save_checkpoint(cfg.out_dir, step + 1, model, opt, tokenizer, dict(config=asdict(cfg), evals=evals), path,
-                            keep=cfg.keep_checkpoints)
-        record["time"] = {k: round(v, 3) for k, v in dict(times, eval_save=time.time() - t0, step=time.time() - t_step).items()}
+                            dtype=save_dtype, keep=cfg.keep_checkpoints)
+        times.update(eval_save=time.time() - t0, step=time.time() - t_step)
+        record["time"] = {k: round(v, 3) for k, v in times.items()}
+        if memory:
+            record["memory_gib"] = memory
         metrics.log(**record)
         print_step(record, samples, cfg)
 
     summary = {"steps": steps, "config": asdict(cfg), **{k: evals[k] for k in ("before", "after") if k in evals}}
+    metrics.finish({k: v for k, v in summary.items() if k != "config"})
     if rank == 0:
         with open(os.path.join(cfg.out_dir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)

@@ -35,12 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from data.prompts import CODE_INTERPRETER
-from model import transposed, transposed_weights
-
-try:  # optional GPU kernels (paged KV)
-    from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
-except Exception:  # ImportError, or a broken CUDA build
-    flash_attn_varlen_func = flash_attn_with_kvcache = None
+from model import flash_attn_varlen_func, flash_attn_with_kvcache, transposed, transposed_weights, use_flash
 
 
 @dataclass
@@ -377,26 +372,40 @@ def sample(logits, temperature, top_p, top_k, uniform):
     return tokens, token_logp
 
 
+def kv_budget(device, utilization=0.9, trainer_peak=0):
+    """Bytes of CUDA memory the KV pool may take, measured as nano-vllm sizes its pool: utilization x the device's
+    memory, less what other processes and the CUDA context hold, less this process's peak allocation so far or
+    `trainer_peak` (the trainer's measured peak, weights included: rl.py) when that is larger."""
+    free, total = torch.cuda.mem_get_info(device)
+    others = total - free - torch.cuda.memory_reserved(device)
+    peak = max(torch.cuda.max_memory_allocated(device), trainer_peak)
+    budget = int(total * utilization) - others - peak
+    if budget <= 0:
+        raise RuntimeError(f"no GPU memory left for the KV cache: {total / 2**30:.1f} GiB x {utilization} - "
+                           f"{others / 2**30:.1f} GiB held outside torch - {peak / 2**30:.1f} GiB at this process's peak")
+    return budget
+
+
 class Engine:
     """Continuous batching over a paged KV cache. Sequences queue on `waiting`; `step` runs one prefill or decode
     step and returns the sequences that stopped in it (a stop token or the budget). A stopped one keeps its blocks
     until it is `release`d or `resume`d with forced tokens (a tool reply); under memory pressure it may lose them."""
 
     def __init__(self, model, max_num_seqs=256, max_prefill_tokens=8192, num_blocks=None, block_size=None,
-                 max_seq_lens=None, kv_memory_fraction=0.7, kv_cache_bytes=4 << 30, share_prefix=True, compile=False):
+                 max_seq_lens=None, kv_cache_bytes=None, share_prefix=True, compile=False, dtype=None):
+        """The pool: num_blocks, else kv_cache_bytes (default: on CUDA kv_budget(), on CPU 4 GiB) of K/V, no more
+        than max_seq_lens (the longest sequences the engine will hold at once) could fill. It is sized here once:
+        keep one Engine per process across rollouts (rl.py, evaluate.py do). dtype: of the K/V (default: the
+        weights'; a trainer builds its engine before FSDP has gathered the bf16 weights)."""
         self.model, cfg, param = model, model.config, next(model.parameters())
-        self.device, self.dtype = param.device, param.dtype
-        backend = getattr(model, "attn_backend", "auto")  # model.py's switch: "auto" | "sdpa" | "flash"
-        self.use_flash = backend == "flash" or (backend == "auto" and flash_attn_with_kvcache is not None
-                                                and self.device.type == "cuda" and self.dtype in (torch.float16, torch.bfloat16))
-        if self.use_flash and flash_attn_with_kvcache is None:
-            raise RuntimeError("attn_backend='flash' but flash_attn is not installed")
+        self.device, self.dtype = param.device, dtype or param.dtype
+        self.use_flash = use_flash(getattr(model, "attn_backend", "auto"), self.device, self.dtype)
         block_size = block_size or (256 if self.use_flash else 16)
         auto = num_blocks is None
         if auto:  # a memory budget, halved without flash-attn: the row buffers may take as much
-            per_block = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * param.element_size() * block_size
-            cuda = self.device.type == "cuda"
-            budget = int(torch.cuda.mem_get_info(self.device)[0] * kv_memory_fraction) if cuda else kv_cache_bytes
+            per_block = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * block_size * \
+                torch.empty(0, dtype=self.dtype).element_size()
+            budget = kv_cache_bytes or (kv_budget(self.device) if self.device.type == "cuda" else 4 << 30)
             num_blocks = max(1, budget // per_block // (1 if self.use_flash else 2))
         row_budget = num_blocks * block_size
         if auto and max_seq_lens is not None:  # no more than the workload could ever hold
@@ -413,7 +422,18 @@ class Engine:
         self.compiled = torch.compile(model.hidden, dynamic=True) if compile and not self.use_flash else None
         self.graphs, self.use_graphs = {}, self.use_flash and self.device.type == "cuda"  # bucket -> step
         self.graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
-        self.stats = dict(prefill_tokens=0, decode_tokens=0, shared_tokens=0, preemptions=0)
+        self.weights_at = None  # where the weights were when the graphs were captured
+        self.stats = {}
+        self.new_rollout()
+
+    def new_rollout(self):
+        """Before each use: fresh counters; the CUDA graphs dropped if the weights moved (FSDP gathers them into new
+        memory for every rollout), since a graph replays the addresses it was captured with."""
+        weights_at = [p.data_ptr() for p in self.model.parameters()]
+        if weights_at != self.weights_at:
+            self.graphs, self.weights_at = {}, weights_at
+        self.stats = dict(prefill_tokens=0, decode_tokens=0, shared_tokens=0, preemptions=0,
+                          kv_pool_tokens=self.num_blocks * self.blocks.block_size, kv_peak_tokens=0)
 
     def has_work(self):
         return bool(self.waiting or self.running)
@@ -446,6 +466,11 @@ class Engine:
                 return True
         return False
 
+    def _grow(self, seq):
+        self.blocks.grow(seq)
+        used = (self.num_blocks - len(self.blocks.free)) * self.blocks.block_size
+        self.stats["kv_peak_tokens"] = max(self.stats["kv_peak_tokens"], used)
+
     def _schedule_prefill(self):
         batch, tokens = [], 0
         while self.waiting and len(self.running) + len(batch) < self.max_num_seqs:
@@ -462,7 +487,7 @@ class Engine:
                 break
             self.waiting.popleft()
             before = seq.num_cached
-            self.blocks.grow(seq)
+            self._grow(seq)
             self.stats["shared_tokens"] += seq.num_cached - before
             tokens += len(seq) - seq.num_cached
             batch.append(seq)
@@ -479,7 +504,7 @@ class Engine:
                     self._free(seq, requeue=True)
                     seq = None
             if seq is not None:
-                self.blocks.grow(seq)
+                self._grow(seq)
                 batch.append(seq)
         self.running = deque(batch)
         return self.cache.decode_order(batch) if batch else []
@@ -560,6 +585,7 @@ def complete(model, prompts, max_new_tokens, temperature=0.0, top_p=1.0, top_k=0
     budgets = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
     if engine is None:
         engine = Engine(model, **{"max_seq_lens": [len(p) + b for p, b in zip(prompts, budgets)], **engine_kwargs})
+    engine.new_rollout()
     engine.raw_logprobs = raw_logprobs
     seqs = [Sequence(p, SamplingParams(temperature, top_p, top_k, b, frozenset(stop_token_ids)), sequence_seed(seed, i))
             for i, (p, b) in enumerate(zip(prompts, budgets))]
@@ -873,6 +899,7 @@ def rollout(model, tokenizer, problems, config, sandbox=None, seeds=None, engine
         keys += [(i, j) for j in range(config.n)]
     if engine is None:
         engine = Engine(model, **{"max_seq_lens": [len(p) + config.max_response_tokens for p in prompts], **engine_kwargs})
+    engine.new_rollout()
     per_sequence = [sequence_seed(seeds[i], j) for i, j in keys] if seeds is not None else None
     agents = AgentLoop(engine, chat, config, sandbox, tools).run(prompts, keys, per_sequence)
     return [a.trajectory(tokenizer) for a in agents]

@@ -32,9 +32,9 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
-from common import Metrics, build_model, check_resume, checkpoints, clip_grads, latest_resumable, load_checkpoint, \
-    parse_config, print0, resolve_model, save_checkpoint, distributed
-from model import DTYPES, cu_seqlens_from_lengths
+from common import Metrics, build_model, check_resume, checkpoints, clip_grads, compute_dtype, is_fsdp, \
+    latest_resumable, load_checkpoint, parse_config, print0, resolve_model, save_checkpoint, distributed
+from model import DTYPES, attention_path, cu_seqlens_from_lengths
 
 
 @dataclass
@@ -63,10 +63,12 @@ class Config:  # defaults: the repo's SFT script (Open-AgentRL qwen3-4b-ra-sft) 
     resume_override: bool = False  # resume even if the order / schedule fields changed
     seed: int = 0
     gradient_checkpointing: bool = True
+    attn_backend: str = "auto"     # auto (flash-attn where it imports, on CUDA) | sdpa | flash (an error without it)
     device: str = "auto"           # auto | cuda | cpu
     progress: bool = True          # tqdm bar on rank 0 (else a line every log_every steps)
     log_every: int = 1
-    wandb: str = ""                # wandb project (optional dependency); empty: off
+    wandb_project: str = ""        # log to Weights & Biases under this project ("": off)
+    wandb_run: str = ""            # the wandb run's name ("": wandb's own)
 
 
 # The toy pipeline (python sft.py): a 0.9M-parameter model from scratch learns in minutes what a 4B
@@ -335,8 +337,10 @@ def _train(cfg, rank, world, device, sharded):
            f"in one pass ({time.time() - t0:.1f}s)")
 
     model = build_model(base_path, device, sharded)
-    model.gradient_checkpointing = cfg.gradient_checkpointing
+    model.attn_backend, model.gradient_checkpointing, fsdp = cfg.attn_backend, cfg.gradient_checkpointing, is_fsdp(model)
     model.train()
+    if device.type == "cuda" or cfg.attn_backend == "flash":
+        print0(attention_path(cfg.attn_backend, device, compute_dtype(device)))
     save_dtype = DTYPES[model.config.dtype if cfg.save_dtype == "auto" else cfg.save_dtype]
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                                   weight_decay=cfg.weight_decay)
@@ -352,15 +356,7 @@ def _train(cfg, rank, world, device, sharded):
         step = trainer["step"]
         print0(f"resumed from {resume_from} at step {step}")
     metrics = Metrics(os.path.join(cfg.out_dir, "metrics.jsonl"), cfg, step)
-    wandb_run = None
-    if cfg.wandb and rank == 0:
-        import wandb
-        wandb_run = wandb.init(project=cfg.wandb, config=asdict(cfg), resume="allow")
-
-    def log(**entry):
-        metrics.log(**entry)
-        if wandb_run is not None:
-            wandb_run.log({k: v for k, v in entry.items() if isinstance(v, (int, float))}, step=entry["step"])
+    log = metrics.log
 
     def held_out(at):
         loss = evaluate_loss(model, eval_seqs, rank, world, cfg.micro_batch_tokens, device)
@@ -374,13 +370,15 @@ def _train(cfg, rank, world, device, sharded):
     path, run_tokens, run_time = None, 0, 0.0
     while step < total_steps:
         t_step = time.time()
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
         epoch, index = divmod(step, steps_per_epoch)
         batch = data_order(len(train_seqs), cfg.seed, epoch)[index * cfg.batch_size:(index + 1) * cfg.batch_size]
         micro = plan(batch, lengths, world, cfg.micro_batch_tokens)
         loss_tokens = sum(int(train_seqs[i][1][1:].sum()) for i in batch)  # the whole global batch's
         nll_sum = torch.zeros((), dtype=torch.float64, device=device)
         for k, group in enumerate(micro[rank]):
-            if sharded:  # reduce-scatter the gradients once, after the last micro-batch
+            if fsdp:  # reduce-scatter the gradients once, after the last micro-batch
                 model.set_requires_gradient_sync(k == len(micro[rank]) - 1)
             nll = packed_nll(model, micro_batch([train_seqs[i] for i in group], device))
             # FSDP averages gradients over ranks; scaling by world makes them a sum over ranks
@@ -401,6 +399,8 @@ def _train(cfg, rank, world, device, sharded):
                      grad_norm=grad_norm, tokens=tokens, loss_tokens=loss_tokens, micro_batches=len(micro[0]),
                      padding_waste=1 - tokens / slots, budget_fill=tokens / (len(micro[0]) * world * cfg.micro_batch_tokens),
                      tokens_per_s=tokens / seconds, seconds=seconds)
+        if device.type == "cuda":
+            entry["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
         log(**entry)
         bar.update(1)
         bar.set_postfix(loss=f"{entry['loss']:.4f}", lr=f"{lr:.2e}", tok_s=f"{entry['tokens_per_s']:.0f}")
@@ -419,8 +419,7 @@ def _train(cfg, rank, world, device, sharded):
     log(event="end", step=step, checkpoint=path, eval_loss=eval_loss,
         tokens_per_s=run_tokens / run_time if run_time else None)
     print0(f"done: {step} steps, held-out loss {eval_loss}, checkpoint {path}")
-    if wandb_run is not None:
-        wandb_run.finish()
+    metrics.finish(dict(steps=step, eval_loss=eval_loss))
     return path
 
 

@@ -304,8 +304,8 @@ def fake_rollout_module(calls):
         def to_dict(self):
             return asdict(self)
 
-    def rollout(model, tokenizer, problems, config, sandbox=None, seeds=None):
-        assert seeds is not None and len(seeds) == len(problems)
+    def rollout(model, tokenizer, problems, config, sandbox=None, seeds=None, engine=None):
+        assert seeds is not None and len(seeds) == len(problems) and engine == "the engine"
         calls.append([p["uid"] for p in problems])
         return [Trajectory(i, s, [1, 2], [5, 6, 7, 8], [1, 0, 0, 1], [0.0] * 4,
                            "<tool_call>x</tool_call><tool_response>\n1\n</tool_response>\\boxed{42}",
@@ -314,7 +314,11 @@ def fake_rollout_module(calls):
 
     m = types.ModuleType("rollout")
     m.RolloutConfig, m.Trajectory, m.rollout = RolloutConfig, Trajectory, rollout
+    m.Engine = lambda model, **kwargs: "the engine"   # one for all batches
     return m
+
+
+TOKENIZER = types.SimpleNamespace(decode=lambda ids, **kwargs: f"prompt {ids}")
 
 
 def test_evaluate_resumes_from_its_trajectory_file(tmp_path, monkeypatch):
@@ -324,20 +328,20 @@ def test_evaluate_resumes_from_its_trajectory_file(tmp_path, monkeypatch):
                 for i in range(5)]
     cfg = evaluate.EvalConfig(n=3, problems_per_batch=2)
     out = str(tmp_path / "run")
-    trajs, s = evaluate.evaluate(None, None, problems[:3], cfg, out_dir=out, progress=False)
+    trajs, s = evaluate.evaluate(None, TOKENIZER, problems[:3], cfg, out_dir=out, progress=False)
     assert calls == [["t:0", "t:1"], ["t:2"]] and len(trajs) == 9
     # a torn last line (killed mid-write) and a half-finished problem are redone
     path = os.path.join(out, "trajectories.jsonl")
     lines = open(path).read().splitlines()
     with open(path, "w") as f:
         f.write("\n".join(lines[:-1]) + "\n" + lines[-1][:20])
-    trajs, s = evaluate.evaluate(None, None, problems, cfg, out_dir=out, progress=False)
+    trajs, s = evaluate.evaluate(None, TOKENIZER, problems, cfg, out_dir=out, progress=False)
     assert calls[2:] == [["t:2", "t:3"], ["t:4"]]
     b = s["benchmarks"]["t"]
     assert b["problems"] == 5 and b["samples"] == 15 and b["avg@3"] == pytest.approx(3 / 5)
     assert b["maj@3"] == pytest.approx(3 / 5) and b["tools"]["tokens_before_first_call"] == 1
     assert b["tools"]["tool_call_success"] == 1.0
-    trajs, s2 = evaluate.evaluate(None, None, problems, cfg, out_dir=out, progress=False)
+    trajs, s2 = evaluate.evaluate(None, TOKENIZER, problems, cfg, out_dir=out, progress=False)
     assert len(calls) == 4 and s2["benchmarks"] == s["benchmarks"]       # nothing left to do
 
 
@@ -348,7 +352,7 @@ def test_model_aware_filtering_tags_difficulty(tmp_path, monkeypatch):
     calls = []
     fake = fake_rollout_module(calls)
 
-    def rollout(model, tokenizer, problems, config, sandbox=None, seeds=None):
+    def rollout(model, tokenizer, problems, config, sandbox=None, seeds=None, engine=None):
         calls.append(len(problems))
         return [fake.Trajectory(pi, si, [1], [2], [1], [0.0], "\\boxed{7}" if si < solved[int(p["prompt"][1:])] else
                                 "\\boxed{8}", [], 1, "stop") for pi, p in enumerate(problems) for si in range(config.n)]
@@ -358,8 +362,8 @@ def test_model_aware_filtering_tags_difficulty(tmp_path, monkeypatch):
     problems = [{"prompt": f"p{i}", "answer": "7", "kind": "math", "source": "t"} for i in range(5)]
     out = str(tmp_path / "f.jsonl")
     cfg = evaluate.EvalConfig(n=4, problems_per_batch=2, filter_out=out)
-    records, _ = evaluate.evaluate(None, None, problems[:3], cfg, out_dir=str(tmp_path / "run"), progress=False)
-    records, _ = evaluate.evaluate(None, None, problems, cfg, out_dir=str(tmp_path / "run"), progress=False)
+    records, _ = evaluate.evaluate(None, TOKENIZER, problems[:3], cfg, out_dir=str(tmp_path / "run"), progress=False)
+    records, _ = evaluate.evaluate(None, TOKENIZER, problems, cfg, out_dir=str(tmp_path / "run"), progress=False)
     assert calls == [2, 1, 2]                                    # resumable: the second pass ran only the rest
     assert all("response_ids" not in json.loads(l) for l in open(tmp_path / "run" / "trajectories.jsonl"))
     hist = evaluate.write_filtered(problems, records, out)

@@ -219,3 +219,22 @@ def test_packed_forward_reads_the_boundaries_once(backend, tmp_path, monkeypatch
     assert CountingHostReads.reads == 1
     assert seen == ([(int, 12)] * 4 if backend == "flash" else [])
     assert (packed - torch.cat([model(s) for s in seqs], dim=1)).abs().max() < 1e-5
+
+
+def test_the_attention_path_is_said_and_flash_without_flash_attn_is_an_error(monkeypatch):
+    """A broken flash-attn import is never silent: attention_path() names the path and the import error;
+    --attn_backend=flash without a working flash-attn stops at start-up."""
+    import model
+    monkeypatch.setattr(model, "flash_attn_varlen_func", None)
+    monkeypatch.setattr(model, "FLASH_ERROR", "ImportError: libcudart.so.12: cannot open shared object file")
+    line = model.attention_path("auto", "cuda", torch.bfloat16)
+    assert line.startswith("attention: torch SDPA") and "libcudart.so.12" in line and "no CUDA graphs" in line
+    with pytest.raises(RuntimeError, match="attn_backend='flash' but flash-attn does not import: ImportError: libcudart"):
+        model.attention_path("flash", "cuda", torch.bfloat16)
+    with pytest.raises(ValueError, match="auto, sdpa or flash"):
+        model.use_flash("triton", "cpu", torch.float32)
+    monkeypatch.setattr(model, "flash_attn_varlen_func", lambda *a, **k: None)
+    monkeypatch.setattr(model, "FLASH_ERROR", None)
+    assert model.attention_path("auto", "cuda", torch.bfloat16).startswith("attention: flash-attn")
+    assert "CPU" in model.attention_path("auto", "cpu", torch.float32).upper()
+    assert "attn_backend=sdpa" in model.attention_path("sdpa", "cuda", torch.bfloat16)

@@ -309,11 +309,29 @@ def metrics(run_dir):
 
 @pytest.fixture(scope="session")
 def reference_run(tool_policy, tmp_path_factory):
-    """Two uninterrupted steps in this process, with held-out evaluation before and after."""
+    """Two uninterrupted steps in this process, with held-out evaluation before and after. Records
+    (in SPY) every Engine made, and at each rollout the engine used and whether any gradient was held."""
+    import rollout
     out = tmp_path_factory.mktemp("rl_reference")
     cfg = Config(**small_run(tool_policy, out, eval_data=tool_policy[2], eval_n=2))
-    summary = rl.train(cfg)
+    make, roll = rollout.Engine.__init__, rollout.rollout
+
+    def made(engine, *args, **kwargs):
+        SPY["engines"].append(engine)
+        make(engine, *args, **kwargs)
+
+    def rolled(model, *args, engine=None, **kwargs):
+        SPY["rollouts"].append((engine, engine.cache.kv[0], any(p.grad is not None for p in model.parameters())))
+        return roll(model, *args, engine=engine, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(rollout.Engine, "__init__", made)
+        mp.setattr(rollout, "rollout", rolled)
+        summary = rl.train(cfg)
     return str(out), summary
+
+
+SPY = {"engines": [], "rollouts": []}
 
 
 def test_two_steps_single_process(reference_run, tool_policy):
@@ -339,6 +357,40 @@ def test_two_steps_single_process(reference_run, tool_policy):
     assert summary["before"]["accuracy"] is not None and summary["after"]["accuracy"] is not None
     on_disk = json.load(open(os.path.join(out, "summary.json")))
     assert set(on_disk) >= {"before", "after", "config"}
+
+
+def test_one_engine_for_every_rollout_and_evaluation(reference_run):
+    """The KV pool is sized once per process: one Engine, the same pool, for the two steps' rollouts and
+    the evaluations before and after (held-out 2 problems x eval_n 2: one batch each); the gradients of
+    each update are freed before the next rollout; each step's line says how the pool was used."""
+    out, _ = reference_run
+    (engine,) = SPY["engines"]
+    assert len(SPY["rollouts"]) == 4
+    assert all(e is engine and pool is engine.cache.kv[0] for e, pool, _ in SPY["rollouts"])
+    assert not any(held for _, _, held in SPY["rollouts"])
+    for m in metrics(out).values():
+        assert m["kv_pool_tokens"] == engine.num_blocks * engine.blocks.block_size
+        assert 0 < m["kv_peak_tokens"] <= m["kv_pool_tokens"] and m["preemptions"] == 0
+        assert "memory_gib" not in m  # CUDA only
+
+
+def test_kept_trajectories(reference_run, tool_policy):
+    """--save_trajectories 1 (the default): each step's first group, whole, as evaluate.py writes trajectories,
+    with the step, reward, advantage and the trainer's log-probs beside the sampler's."""
+    import gzip
+    out, _ = reference_run
+    for step, m in metrics(out).items():
+        with gzip.open(os.path.join(out, "trajectories", f"step_{step:06d}.jsonl.gz"), "rt") as f:
+            records = [json.loads(line) for line in f]
+        assert [(r["problem_index"], r["sample_index"]) for r in records] == [(0, j) for j in range(4)]
+        for r in records:
+            n = len(r["response_ids"])
+            assert r["step"] == step and len(r["loss_mask"]) == len(r["logprobs"]) == len(r["trainer_logprobs"]) == n
+            assert r["prompt"].startswith("<|im_start|>system") and r["uid"].isdigit()
+            assert {"reward", "advantage", "score", "correct", "tool_calls", "finish_reason", "text"} <= set(r)
+            near = [abs(a - b) < 1e-3 for a, b, k in zip(r["logprobs"], r["trainer_logprobs"], r["loss_mask"]) if k]
+            assert all(near)       # one module samples and trains
+        assert sum(r["advantage"] for r in records) == pytest.approx(0.0, abs=1e-5)
 
 
 def checkpoint_weights(path):
@@ -559,3 +611,72 @@ def test_recipe_options_run_inside_the_loop(tool_policy, tmp_path):
     assert 0 < kept and m["updates"] <= 2 * 2 and m["updates"] >= 2  # two passes over the kept mini-batches
     assert m["ref_kl"] > 0 and math.isfinite(m["loss"])     # the second pass has moved away from the reference
     assert summary["config"]["kl_coef"] == 0.1
+
+
+# -----------------------------------------------------------------------------
+# what a reading of the CUDA paths found (issue 23), shown on CPU
+
+
+@pytest.fixture
+def fsdp_model(tiny_ckpt):
+    """The tiny checkpoint as the trainers build it under torchrun: FSDP2, one unit per block and the root,
+    here in a world of one process (gloo)."""
+    from common import build_model, setup_distributed
+    setup_distributed()
+    return build_model(tiny_ckpt, torch.device("cpu"), sharded=True)
+
+
+def test_full_weights_leaves_the_root_gathered_after_forward(fsdp_model):
+    """After a rollout's full_weights the blocks reshard after each forward again, but the root (embeddings,
+    final norm, tied head) keeps FSDP's own choice for it: gathered until the backward, not once per micro-batch."""
+    from torch.distributed.tensor import DTensor
+    model = fsdp_model
+    with rl.full_weights(model):
+        assert not isinstance(model.model.layers[0].mlp.down_proj.weight, DTensor)
+    model.train()
+    model(torch.zeros(1, 4, dtype=torch.long))
+    assert isinstance(model.model.layers[0].mlp.down_proj.weight, DTensor)   # the block gave its weights back
+    assert not isinstance(model.model.embed_tokens.weight, DTensor)          # the root did not
+
+
+def test_gradients_are_reduced_once_per_optimizer_step(fsdp_model, tiny_ckpt, monkeypatch):
+    """Three micro-batches, one reduce-scatter per FSDP unit (after the last one), as sft.py does."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+    real, calls = _fsdp_param_group.foreach_reduce, []
+    monkeypatch.setattr(_fsdp_param_group, "foreach_reduce", lambda *a, **k: calls.append(1) or real(*a, **k))
+    _, samples = tiny_update_inputs(tiny_ckpt)
+    opt = torch.optim.AdamW(fsdp_model.parameters(), lr=0.0)
+    n_tok = sum(sum(s["mask"]) for s in samples)
+    cfg = Config(model="x", micro_batch_tokens=11)  # one 11-token sample per micro-batch
+    rl.update(fsdp_model, opt, samples, n_tok, 3, cfg, torch.device("cpu"), 1)
+    units = 1 + len(fsdp_model.model.layers)
+    assert len(calls) == units and all(p.grad is not None for p in fsdp_model.parameters())
+
+
+def test_entropy_is_computed_with_gradients_only_for_its_bonus(tiny_ckpt, monkeypatch):
+    from common import setup_distributed
+    setup_distributed()
+    model, samples = tiny_update_inputs(tiny_ckpt)
+    asked, real = [], model.token_logprobs
+    monkeypatch.setattr(model, "token_logprobs", lambda *a, **k: asked.append(k["return_entropy"]) or real(*a, **k))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.0)
+    for coef in (0.0, 0.1):
+        rl.update(model, opt, samples, 24, 3, Config(model="x", micro_batch_tokens=40, entropy_coef=coef),
+                  torch.device("cpu"), 1)
+    assert asked == [False, True]
+
+
+def test_checkpoints_are_saved_in_the_base_models_dtype(tool_policy, tmp_path):
+    """A bf16 base (as every Qwen3 checkpoint) is saved in bf16 (was fp32: 16 GB per save for 4B)."""
+    import shutil
+    from safetensors import safe_open
+    from model import Transformer
+    base = tmp_path / "bf16"
+    shutil.copytree(tool_policy[0], base)
+    Transformer.from_pretrained(str(base)).to(torch.bfloat16).save_pretrained(str(base))
+    out = tmp_path / "run"
+    rl.train(Config(**small_run(tool_policy, out, model=str(base), steps=1, prompts_per_step=2, samples_per_prompt=2,
+                                max_response_tokens=40)))
+    with safe_open(str(out / "step_000001" / "model.safetensors"), "pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
+    assert json.load(open(out / "step_000001" / "config.json"))["torch_dtype"] == "bfloat16"

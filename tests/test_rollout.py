@@ -3,6 +3,7 @@ the agent loop on scripted trajectories (tool calls, bad calls, limits, tool-out
 import concurrent.futures
 import json
 import os
+import sys
 import time
 from types import SimpleNamespace
 
@@ -251,6 +252,7 @@ def flash_engine(model, monkeypatch, **kwargs):
     """An Engine on the CUDA code path, with the reference kernels standing in for flash-attn."""
     monkeypatch.setattr(rollout, "flash_attn_varlen_func", ref_varlen)
     monkeypatch.setattr(rollout, "flash_attn_with_kvcache", ref_with_kvcache)
+    monkeypatch.setattr(sys.modules["model"], "flash_attn_varlen_func", ref_varlen)  # what use_flash() checks
     monkeypatch.setattr(model, "attn_backend", "flash")
     ref_with_kvcache.batch_sizes = []
     engine = Engine(model, **kwargs)
