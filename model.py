@@ -129,8 +129,9 @@ def attention_path(backend, device, dtype):
     """One line: which attention runs here and why (what the stages print once at start-up)."""
     if use_flash(backend, device, dtype):
         return "attention: flash-attn (varlen training, paged KV decode in blocks of 256 with CUDA graphs)"
+    on_gpu = torch.device(device).type == "cuda" and dtype in (torch.float16, torch.bfloat16)
     why = (f"attn_backend={backend}" if backend != "auto" else f"flash-attn does not import ({FLASH_ERROR})"
-           if FLASH_ERROR else f"flash-attn needs CUDA in bf16/fp16, here {torch.device(device).type} {dtype}")
+           if on_gpu else f"flash-attn needs CUDA in bf16/fp16, here {torch.device(device).type} {dtype}")
     return f"attention: torch SDPA, {why}; rollout KV blocks of 16, no CUDA graphs, half the KV budget for row buffers"
 
 

@@ -548,7 +548,7 @@ def keep_trajectories(cfg, step, batch_ids, batch, samples, tokenizer):
         folder = os.path.join(cfg.out_dir, "trajectories")
         os.makedirs(folder, exist_ok=True)
         with gzip.open(os.path.join(folder, f"step_{step:06d}.jsonl.gz"), "wt", encoding="utf-8") as f:
-            f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in sorted(everyone, key=lambda r: (
+            f.writelines(json.dumps(r, ensure_ascii=False, separators=(",", ":")) + "\n" for r in sorted(everyone, key=lambda r: (
                 r["problem_index"], r["sample_index"])))
 
 

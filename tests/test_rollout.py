@@ -374,8 +374,8 @@ def turn_ids(tokenizer, chat, message):
     """The tokens a model emits for one assistant message: what the template renders for it, then
     the end-of-turn token."""
     head = [{"role": "user", "content": "q"}]
-    before = tokenizer.apply_chat_template(head, tools=[TOOL_SCHEMA], tokenize=False, add_generation_prompt=True)
-    full = tokenizer.apply_chat_template(head + [message], tools=[TOOL_SCHEMA], tokenize=False)
+    before = tokenizer.apply_chat_template(head, tools=chat.tools, tokenize=False, add_generation_prompt=True)
+    full = tokenizer.apply_chat_template(head + [message], tools=chat.tools, tokenize=False)
     text = full[len(before):]
     text = text[:text.rindex(chat.end_of_turn_text)]
     return tokenizer.encode(text, add_special_tokens=False) + [chat.end_of_turn]
@@ -386,12 +386,13 @@ def tiny_config(tiny_ckpt):
     return Transformer.from_pretrained(tiny_ckpt).config
 
 
-def run_scripted(tokenizer, model_config, problems, turns, config, sandbox, model=None, **engine_kwargs):
+def run_scripted(tokenizer, model_config, problems, turns, config, sandbox, model=None, tools=None, **engine_kwargs):
     """Rollout where every trajectory of problem i samples the assistant messages turns[i] in order
     (then end-of-turn tokens). With model, the real forward runs too (real KV traffic and timing).
-    Returns the trajectories and the engine."""
-    chat = ChatFormat(tokenizer, [TOOL_SCHEMA])
-    scripts = {tuple(render(tokenizer, prompt_conv(p), True)): [t for m in msgs for t in (m if isinstance(m, list) else turn_ids(tokenizer, chat, m))]
+    tools: rollout's tool registry (default its own). Returns the trajectories and the engine."""
+    chat = rollout.chat_format(tokenizer, config, tools)
+    scripts = {tuple(render(tokenizer, prompt_conv(p), True, chat.tools)):
+               [t for m in msgs for t in (m if isinstance(m, list) else turn_ids(tokenizer, chat, m))]
                for p, msgs in zip(problems, turns)}
 
     def script(seq):
@@ -402,27 +403,27 @@ def run_scripted(tokenizer, model_config, problems, turns, config, sandbox, mode
     policy = ScriptedModel(model_config, script, model)
     engine_kwargs.setdefault("max_seq_lens", [len(k) + config.max_response_tokens for k in scripts] * config.n)
     engine = Engine(policy, **engine_kwargs)
-    return rollout.rollout(policy, tokenizer, problems, config, sandbox=sandbox, engine=engine), engine
+    return rollout.rollout(policy, tokenizer, problems, config, sandbox=sandbox, engine=engine, tools=tools), engine
 
 
 def check_transcript(tokenizer, chat, problem, messages, traj):
     """Final ids == the template's rendering of the reconstructed conversation (scripted assistant
     turns, the tool replies the trajectory got); mask 1 exactly on the assistant turns; the log-probs
     those of a one-hot policy (0)."""
-    conv = prompt_conv(problem)
+    conv, tools = prompt_conv(problem), chat.tools
     turn_starts = []
     assert [r["turn"] for r in traj.tool_calls] == sorted(r["turn"] for r in traj.tool_calls)
     for k, m in enumerate(messages[:traj.num_turns]):
-        turn_starts.append(len(render(tokenizer, conv, True)))
+        turn_starts.append(len(render(tokenizer, conv, True, tools)))
         conv.append(m)
         conv += [{"role": "tool", "content": r["output"]} for r in traj.tool_calls if r["turn"] == k]
     assert all(r["turn"] < traj.num_turns for r in traj.tool_calls)
     ids = traj.prompt_ids + traj.response_ids
     if traj.finish_reason == "length":
-        want = render(tokenizer, conv, conv[-1]["role"] == "tool")
+        want = render(tokenizer, conv, conv[-1]["role"] == "tool", tools)
         assert ids == want[:len(ids)]
     else:  # the template adds its newline after the final end-of-turn token
-        want = render(tokenizer, conv, False)
+        want = render(tokenizer, conv, False, tools)
         assert ids == want[:len(ids)] and tokenizer.decode(want[len(ids):]) == "\n"
     mask = [0] * len(ids)
     for k, start in enumerate(turn_starts):
@@ -438,8 +439,8 @@ def prompt_conv(problem):
     return system + [{"role": "user", "content": problem["prompt"]}]
 
 
-def render(tokenizer, conv, add_generation_prompt):
-    return list(tokenizer.apply_chat_template(conv, tools=[TOOL_SCHEMA], tokenize=True, return_dict=False,
+def render(tokenizer, conv, add_generation_prompt, tools=(TOOL_SCHEMA,)):
+    return list(tokenizer.apply_chat_template(conv, tools=list(tools), tokenize=True, return_dict=False,
                                               add_generation_prompt=add_generation_prompt))
 
 
@@ -589,6 +590,37 @@ def test_sandbox_that_raises_in_submit_is_a_tool_error(tiny_tokenizer, tiny_conf
     assert t.tool_calls[0]["status"] == "error" and "the pool is closed" in t.tool_calls[0]["output"]
     assert t.finish_reason == "stop"
     check_transcript(tok, ChatFormat(tok, [TOOL_SCHEMA]), problem, [first, ANSWER], t)
+
+
+def test_a_second_tool_in_a_few_lines(tiny_tokenizer, tiny_config):
+    """A fork adds a tool by registering it: its schema joins the prompt, calls reach it by name, its reply is
+    forced like the code tool's, token in token out; the code tool keeps working beside it."""
+    schema = {"type": "function", "function": {"name": "calculator", "description": "Adds two integers.",
+              "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                             "required": ["a", "b"]}}}
+
+    def add(arguments, sandbox, config):
+        if not all(isinstance(arguments.get(k), int) for k in "ab"):
+            raise ValueError("Error: calculator needs integers a and b.")
+        reply = concurrent.futures.Future()
+        reply.set_result(str(arguments["a"] + arguments["b"]))
+        return reply
+
+    tools = dict(rollout.TOOLS, calculator=rollout.Tool(schema, add))
+    calc = lambda **args: {"type": "function", "function": {"name": "calculator", "arguments": args}}
+    turns = [{"role": "assistant", "content": "Add.", "tool_calls": [calc(a=40, b=2)]},
+             {"role": "assistant", "content": "And run.", "tool_calls": [call("print(6*7)")]},
+             {"role": "assistant", "content": "Bad.", "tool_calls": [calc(a="x", b=2)]}, ANSWER]
+    tok, problem, sandbox = tiny_tokenizer, {"prompt": "Use both tools."}, FakeSandbox()
+    config = RolloutConfig(temperature=0.0, max_turns=5, max_response_tokens=2000)
+    (t,), _ = run_scripted(tok, tiny_config, [problem], [turns], config, sandbox, tools=tools)
+    assert [(c["name"], c["status"], c["output"]) for c in t.tool_calls] == [
+        ("calculator", "ok", "42"), ("code_interpreter", "ok", "42\n"),
+        ("calculator", "bad_call", "Error: calculator needs integers a and b.")]
+    assert sandbox.codes == ["print(6*7)"] and t.finish_reason == "stop"
+    chat = rollout.chat_format(tok, config, tools)
+    assert '"name": "calculator"' in tok.decode(t.prompt_ids) and chat.tools == [TOOL_SCHEMA, schema]
+    check_transcript(tok, chat, problem, turns, t)
 
 
 def tokenizer_with(tiny_ckpt, tmp_path, generation_config=None, **kwargs):
