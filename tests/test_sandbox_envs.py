@@ -66,6 +66,8 @@ CHECKS = {
                "except RuntimeError:\n    pass\nprint('ok' if n < 256 else n, flush=True)\ntime.sleep(5)",
     "host file": f"try:\n    open({os.path.join(PROJECT, 'sandbox.py')!r}).read()\n    print('READ')\n"
                  "except OSError:\n    print('refused')",
+    "leave files": "import os\nos.mkdir('closed', 0)\nos.mkdir('d')\nopen('d/f', 'w').write('x')\nprint('ok')",
+    "next run": "import os\nprint('ok' if os.listdir('.') == [] else os.listdir('.'))",   # the same worker
 }
 
 CHECK_SCRIPT = f"""
