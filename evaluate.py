@@ -63,6 +63,8 @@ class EvalConfig:
     seed: int = 0
     dtype: str = ""                     # "" = bfloat16 on CUDA, float32 on CPU
     attn_backend: str = "auto"          # auto (flash-attn where it imports, on CUDA) | sdpa | flash (an error without it)
+    sandbox_workers: int = 0            # sandbox processes of this rank (0: its share of the cores, LOCAL_WORLD_SIZE)
+    sandbox_require: str = "floor"      # floor: every layer the machine grants | all: refuse to start without each one
     wandb_project: str = ""             # log the config and the summary to Weights & Biases ("": off)
     wandb_run: str = ""                 # the wandb run's name ("": wandb's own)
 
@@ -604,6 +606,7 @@ def toy_arguments():
 
 
 def main(argv=None):
+    import sandbox
     import torch
     from common import Metrics, distributed, print0
     from model import Transformer, attention_path
@@ -614,6 +617,11 @@ def main(argv=None):
         raise SystemExit("--model DIR is required (a Hugging Face checkpoint directory)")
     with distributed() as (rank, world, device, _):
         problems = load_problems(cfg)
+        sandbox.configure(cfg.sandbox_workers or None, cfg.sandbox_require)
+        try:  # every rank, before any rollout: a sandbox that cannot start stops here with its own error
+            print0(sandbox.check())
+        except RuntimeError as e:
+            raise SystemExit(f"rank {rank}: {e}") from None
         out_dir = cfg.out or os.path.join("runs", "eval", os.path.basename(os.path.normpath(cfg.model)))
         dtype = getattr(torch, cfg.dtype) if cfg.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
         model = Transformer.from_pretrained(cfg.model, device=device, dtype=dtype).eval()

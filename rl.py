@@ -100,6 +100,8 @@ class Config:  # defaults: the paper's recipe (../shared/DESIGN.md, Open-AgentRL
     tool_output_chars: int = 256
     tool_timeout: float = 10.0
     tool_memory_mb: int = 1024
+    sandbox_workers: int = 0       # sandbox processes of this rank (0: its share of the cores, LOCAL_WORLD_SIZE)
+    sandbox_require: str = "floor"  # floor: every layer the machine grants | all: refuse to start without each one
     enable_thinking: str = "default"  # the chat template's switch (Qwen3 hybrid): default (its own) | true | false
     eval_every: int = 10           # steps (0: only before and after training)
     eval_n: int = 32
@@ -334,6 +336,16 @@ def make_engine(model, opt, cfg, device, world, evaluating):
 
 
 # ---------------------------------------------------------------- rollout and grading
+def start_sandbox(cfg, rank):
+    """Every rank starts its sandbox pool (its share of the cores) and waits for it before any rollout: a
+    sandbox that cannot start stops the run with its own error, instead of a dead tool for the whole run."""
+    sandbox.configure(cfg.sandbox_workers or None, cfg.sandbox_require)
+    try:
+        print0(sandbox.check())
+    except RuntimeError as e:
+        raise SystemExit(f"rank {rank}: {e}") from None
+
+
 class TimedSandbox:
     """sandbox.submit with the seconds of its runs added up, for the step's time breakdown (the
     rollout takes the sandbox's other functions from sandbox.py itself)."""
@@ -601,6 +613,7 @@ def _train(cfg, rank, world, device, sharded):
     random.seed(cfg.seed)
     problems = load_problems(cfg.data)
     eval_problems = load_problems(cfg.eval_data)[:cfg.eval_limit or None] if cfg.eval_data else []
+    start_sandbox(cfg, rank)
     path = resolve_model(cfg.model)
     tokenizer = AutoTokenizer.from_pretrained(path)
     rcfg = rollout.RolloutConfig(n=cfg.samples_per_prompt, temperature=cfg.temperature, top_p=cfg.top_p,

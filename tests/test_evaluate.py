@@ -456,3 +456,14 @@ def test_end_to_end_under_torchrun(tiny_ckpt, tmp_path):
     assert summary["overall"]["problems"] == 4
     counts = [len(open(os.path.join(out, f"trajectories.rank{r}.jsonl")).readlines()) for r in (0, 1)]
     assert counts == [2, 2]
+
+
+def test_a_sandbox_that_cannot_start_stops_the_evaluation(monkeypatch):
+    import sandbox
+    told = []
+    monkeypatch.setattr(sandbox, "configure", lambda workers, require: told.append((workers, require)))
+    monkeypatch.setattr(sandbox, "check", lambda: (_ for _ in ()).throw(RuntimeError("sandbox: no seccomp here")))
+    with pytest.raises(SystemExit, match="rank 0: sandbox: no seccomp here"):
+        evaluate.main(["--model=unused", f"--data={os.path.join(ROOT, 'data', 'fixtures', 'bench4.jsonl')}",
+                       "--sandbox_workers=2"])
+    assert told == [(2, "floor")]

@@ -680,3 +680,18 @@ def test_checkpoints_are_saved_in_the_base_models_dtype(tool_policy, tmp_path):
     with safe_open(str(out / "step_000001" / "model.safetensors"), "pt") as f:
         assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
     assert json.load(open(out / "step_000001" / "config.json"))["torch_dtype"] == "bfloat16"
+
+
+def test_a_sandbox_that_cannot_start_stops_the_run_before_any_rollout(tool_policy, tmp_path, monkeypatch):
+    """Every rank checks its sandbox at start-up (its own share of the cores, or --sandbox_workers) and stops with
+    the sandbox's own error; before, the error became every tool reply and RL trained on a dead tool."""
+    import rollout
+    import sandbox
+    told, rolled = [], []
+    monkeypatch.setattr(sandbox, "configure", lambda workers, require: told.append((workers, require)))
+    monkeypatch.setattr(sandbox, "check", lambda: (_ for _ in ()).throw(
+        RuntimeError("sandbox: refusing to start, not in force: landlock (required by --sandbox_require=all)")))
+    monkeypatch.setattr(rollout, "rollout", lambda *a, **k: rolled.append(1))
+    with pytest.raises(SystemExit, match=r"rank 0: sandbox: refusing to start, not in force: landlock"):
+        rl.train(Config(**small_run(tool_policy, tmp_path / "run", sandbox_workers=3, sandbox_require="all")))
+    assert told == [(3, "all")] and rolled == []
