@@ -51,7 +51,7 @@ from model import DTYPES, attention_path
 
 
 @dataclass
-class Config:  # defaults: the paper's recipe (../shared/DESIGN.md, Open-AgentRL recipe/demystify)
+class Config:  # defaults: the paper's recipe (docs/DESIGN.md: the source of each; Open-AgentRL recipe/demystify)
     model: str = "Gen-Verse/Qwen3-4B-RA-SFT"  # HF dir or hub id; "toy": the toy SFT start (data/toy.py)
     data: str = "data/rl.jsonl"
     eval_data: str = ""            # held-out problems ("": no evaluation)
