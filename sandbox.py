@@ -59,8 +59,8 @@ if __name__ == "__main__":  # a worker runs under `python -I`, which puts no scr
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import confine
 from confine import (ARCH, MAX_FILES, PR_SET_CHILD_SUBREAPER, PR_SET_DUMPABLE, PR_SET_NO_NEW_PRIVS, PR_SET_PDEATHSIG,
-                     Landlock, available_cores, drop_capabilities, enter_mount_namespace, install_seccomp, missing_layer,
-                     prctl, readable_paths, seccomp_filter)
+                     Landlock, available_cores, drop_capabilities, enter_mount_namespace, install_seccomp,
+                     missing_layer, prctl, readable_paths, seccomp_filter)
 
 _THIS_FILE = os.path.abspath(__file__)     # what the workers run, whatever the cwd later
 TOOL_SCHEMA = {"type": "function", "function": {
@@ -191,9 +191,10 @@ def _child(zygote: dict, fds: list, address_space: int) -> None:
         step = "rlimits"
         memory = address_space + job["memory_mb"] * 2 ** 20   # on top of the warm interpreter
         cpu, disk = math.ceil(job["timeout"]) + 1, int(job["disk_mb"] * 2 ** 20)
+        nproc = (("NPROC", MAX_TASKS, MAX_TASKS),) * plan["nproc"]    # counts this run alone, in its user namespace
         for which, soft, hard in (("AS", memory, memory), ("CPU", cpu, cpu + 1), ("FSIZE", disk, disk),
                                   ("NOFILE", MAX_OPEN_FILES, MAX_OPEN_FILES), ("CORE", 0, 0), ("MSGQUEUE", 0, 0),
-                                  ("SIGPENDING", MAX_SIGNALS, MAX_SIGNALS)) + (("NPROC", MAX_TASKS, MAX_TASKS),) * plan["nproc"]:
+                                  ("SIGPENDING", MAX_SIGNALS, MAX_SIGNALS)) + nproc:
             resource.setrlimit(getattr(resource, "RLIMIT_" + which), (soft, hard))
         step = "no_new_privs"
         prctl(PR_SET_NO_NEW_PRIVS, 1)
@@ -471,7 +472,7 @@ def _layers(found: dict) -> tuple:
             "tasks": tasks or "polled by the pool", "watch": ["disk"] * (not mount) + ["tasks"] * (not tasks)}
     on, off, abi = ["seccomp", "rlimits", "no capabilities"], {}, found["landlock"]
     if abi:
-        on.append(f"Landlock ABI {abi}" + ("" if abi >= 6 else " (without its TCP or signal rules: seccomp holds both)"))
+        on.append(f"Landlock ABI {abi}" + " (without its TCP or signal rules: seccomp holds both)" * (abi < 6))
     else:
         off["landlock"] = found["landlock_why"]
     if mount:
@@ -525,7 +526,7 @@ class Sandbox:
         self._lock, self._ready = threading.Lock(), threading.Event()   # ready: a probe passed, or failure
         self._probe = self._broken = self._trouble = None   # (hello, checks) of the first worker; why it failed
         self._closed, self._stop, self._generation = False, threading.Event(), itertools.count(1)
-        self._workers = [None] * self.num_workers
+        self._workers, self._failures = [None] * self.num_workers, [0] * self.num_workers
         self._threads = [threading.Thread(target=self._serve, args=(i,), name=f"sandbox-{i}", daemon=True)
                          for i in range(self.num_workers)]
         for thread in self._threads:
@@ -535,15 +536,15 @@ class Sandbox:
     # -- one thread per worker --------------------------------------------------------------
 
     def _serve(self, index: int) -> None:
-        future, failures = None, 0
+        future, failures = None, self._failures
         try:
             while not (self._closed or self._broken):
                 worker = self._workers[index]
                 if worker is None or worker.dead or worker.proc.poll() is not None:
-                    failures = 0 if self._start_worker(index) else failures + 1   # the first, or one that died
-                    if failures >= 3:              # it may pass (memory, processes): wait, then try again
+                    failures[index] = 0 if self._start_worker(index) else failures[index] + 1   # the first, or it died
+                    if failures[index] >= 3:       # it may pass (memory, processes): wait, then try again
                         self._fail("sandbox: workers keep dying at start-up", lasting=False)
-                        self._stop.wait(min(30.0, 2.0 ** (failures - 3)))
+                        self._stop.wait(min(30.0, 2.0 ** (failures[index] - 3)))
                     continue
                 with contextlib.suppress(queue.Empty):
                     job, future = self._queue.get(timeout=0.5)
@@ -712,7 +713,8 @@ class Sandbox:
         if "disk" in self.plan["watch"]:
             files, size = _usage(worker.dir)
             if files > MAX_FILES or size > job["disk_mb"] * 2 ** 20:
-                return f"{files} files, {size / 2 ** 20:.1f} MiB on disk, over its {MAX_FILES} files or {job['disk_mb']:g} MiB"
+                return (f"{files} files, {size / 2 ** 20:.1f} MiB on disk, over its {MAX_FILES} files or "
+                        f"{job['disk_mb']:g} MiB")
         return None
 
     def _drain(self) -> list:
@@ -724,9 +726,10 @@ class Sandbox:
 
     def _fail(self, message: str, lasting: bool = True) -> bool:
         """Fail the queued jobs with `message`; a lasting failure also stops the pool (a probe that
-        found a layer not in force), a passing one only while no worker is ready to take them."""
+        found a layer not in force), a passing one only once every slot failed to start a worker
+        three times in a row and none is ready to take them."""
         with self._lock:
-            if not lasting and any(w is not None and w.ready and not w.dead for w in self._workers):
+            if not lasting and (min(self._failures) < 3 or any(w and w.ready and not w.dead for w in self._workers)):
                 return False
             self._broken = self._broken or (message if lasting else None)
             self._trouble = self._trouble or message

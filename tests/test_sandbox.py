@@ -1350,7 +1350,8 @@ GRADER_HACKS = {
 def test_graders_cannot_be_talked_into_a_pass(box, hack):
     """Hole 4 in the graders: on assert-style rows a wrong solution with any of these passed every
     test (or should have failed anyway); the stdin and functional graders are checked likewise."""
-    row = dict(LEETCODE_ROW, test_code=LEETCODE_ROW["test_code"] + "    assert sorted(candidate([1, 2], 3)) == sorted([1, 0])\n")
+    more = "    assert sorted(candidate([1, 2], 3)) == sorted([1, 0])\n"
+    row = dict(LEETCODE_ROW, test_code=LEETCODE_ROW["test_code"] + more)
     assert run_tests(GRADER_HACKS[hack], row, timeout=5, sandbox=box) == [False] * 4
     stdin = GRADER_HACKS[hack].replace(WRONG, "print(3)\nraise ValueError\n")     # right output, then a crash
     assert run_tests(stdin, {"fn_name": None, "cases": [{"input": "", "output": "3"}]}, sandbox=box) == [False]
@@ -1361,12 +1362,15 @@ def test_grading_rebuilds_the_prefix_classes_by_value(box):
     """The plain values of the assert-style grader keep the rows that return the prefix's own
     classes (ListNode) gradable, and numpy scalars equal to Python ones."""
     row = {"fn_name": None, "cases": [], "entry_point": "Solution().reverse",
-           "import_prefix": "class ListNode:\n    def __init__(self, val=0, next=None):\n        self.val, self.next = val, next\n"
+           "import_prefix": "class ListNode:\n    def __init__(self, val=0, next=None):\n"
+                            "        self.val, self.next = val, next\n"
                             "def list_node(values):\n    head = None\n    for v in reversed(values):\n"
                             "        head = ListNode(v, head)\n    return head\n"
-                            "def is_same_list(a, b):\n    while a and b and a.val == b.val:\n        a, b = a.next, b.next\n"
+                            "def is_same_list(a, b):\n    while a and b and a.val == b.val:\n"
+                            "        a, b = a.next, b.next\n"
                             "    return a is None and b is None\n",
-           "test_code": "def check(candidate):\n    assert is_same_list(candidate(list_node([1, 2, 3])), list_node([3, 2, 1]))\n"
+           "test_code": "def check(candidate):\n"
+                        "    assert is_same_list(candidate(list_node([1, 2, 3])), list_node([3, 2, 1]))\n"
                         "    assert candidate(None) is None\n"}
     right = ("import numpy as np\nclass Solution:\n    def reverse(self, head):\n        prev = None\n"
              "        while head:\n            head.next, prev, head = prev, head, head.next\n        return prev\n")
@@ -1442,7 +1446,8 @@ def test_default_pool_replaced_when_broken_configured_and_checked(monkeypatch):
 # ----------------------------------------------------------------------------- the floor alone
 
 FLOOR_ATTACKS = {   # what each must print, run by a pool with no layer but the floor
-    "fork": ("import os\ntry:\n    os.fork() or os._exit(0)\n    print('FORKED')\nexcept OSError:\n    print('ok')", "ok"),
+    "fork": ("import os\ntry:\n    os.fork() or os._exit(0)\n    print('FORKED')\nexcept OSError:\n    print('ok')",
+             "ok"),
     "exec": ("import os\ntry:\n    os.execv('/bin/true', ['true'])\nexcept OSError:\n    print('ok')", "ok"),
     "socket": ("import socket\ntry:\n    socket.socket()\n    print('SOCKET')\nexcept OSError:\n    print('ok')", "ok"),
     "kill init": ("import os\ntry:\n    os.kill(1, 0)\n    print('SIGNALLED')\nexcept OSError:\n    print('ok')", "ok"),
@@ -1471,7 +1476,8 @@ def test_the_floor_sends_no_signal_through_an_owner(floor):
     to signal any process of the uid that the kill rules do not see (Landlock ABI 6 scopes it)."""
     victim = subprocess.Popen(["sleep", "30"])
     try:
-        code = (f"import fcntl, os, socket, struct\nfor set_owner in (lambda s: fcntl.fcntl(s, fcntl.F_SETOWN, {victim.pid}),"
+        code = ("import fcntl, os, socket, struct\n"
+                f"for set_owner in (lambda s: fcntl.fcntl(s, fcntl.F_SETOWN, {victim.pid}),"
                 f"\n                  lambda s: fcntl.ioctl(s, 0x8901, struct.pack('i', {victim.pid}))):\n"
                 "    a, b = socket.socketpair()\n    try:\n        set_owner(a)\n"
                 "        fcntl.fcntl(a, fcntl.F_SETFL, os.O_ASYNC)\n        b.send(b'x')\n        print('OWNED')\n"

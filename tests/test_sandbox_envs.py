@@ -56,11 +56,14 @@ CHECKS = {
     "socket": "import socket\ntry:\n    socket.socket()\n    print('SOCKET')\nexcept OSError:\n    print('ok')",
     "signal": "import os\ntry:\n    os.kill(1, 0)\n    print('SIGNALLED')\nexcept OSError:\n    print('ok')",
     "inotify": "import ctypes\nprint('ok' if ctypes.CDLL(None).inotify_init1(0) < 0 else 'INOTIFY')",
-    "flock": "import fcntl\ntry:\n    fcntl.flock(0, fcntl.LOCK_SH)\n    print('LOCKED')\nexcept OSError:\n    print('ok')",
-    "utime": "import os, sys\ntry:\n    os.utime(sys.executable)\n    print('CHANGED')\nexcept OSError:\n    print('ok')",
+    "flock": "import fcntl\ntry:\n    fcntl.flock(0, fcntl.LOCK_SH)\n    print('LOCKED')\n"
+             "except OSError:\n    print('ok')",
+    "utime": "import os, sys\ntry:\n    os.utime(sys.executable)\n    print('CHANGED')\n"
+             "except OSError:\n    print('ok')",
     "verdict": "import os, sys\nsys.excepthook = lambda *a: os._exit(0)\n1 / 0",
     "disk": "import os\nn = 0\ntry:\n    for i in range(64):\n        open(f'f{i}', 'wb').write(b'x' * (1 << 20))\n"
-            "        n += 1\nexcept OSError:\n    pass\nprint('ok' if n <= 16 else n, flush=True)\nimport time\ntime.sleep(5)",
+            "        n += 1\nexcept OSError:\n    pass\nprint('ok' if n <= 16 else n, flush=True)\n"
+            "import time\ntime.sleep(5)",
     "threads": "import threading, time\nthreading.stack_size(1 << 16)\nn = 0\ntry:\n    for _ in range(1000):\n"
                "        threading.Thread(target=time.sleep, args=(5,), daemon=True).start()\n        n += 1\n"
                "except RuntimeError:\n    pass\nprint('ok' if n < 256 else n, flush=True)\ntime.sleep(5)",
@@ -96,7 +99,8 @@ def runtime_filter(refused):
     flags refused, clone3 answered ENOSYS (as Docker does), everything else allowed."""
     table, allow = confine._SYSCALLS[confine.ARCH], (confine._RET, 0, 0, confine._ALLOW)
     deny = (confine._RET, 0, 0, confine._ERRNO | 1)
-    prog = [(confine._LD, 0, 0, 4), (confine._JEQ, 1, 0, confine._AUDIT_ARCH[confine.ARCH]), allow, (confine._LD, 0, 0, 0)]
+    prog = [(confine._LD, 0, 0, 4), (confine._JEQ, 1, 0, confine._AUDIT_ARCH[confine.ARCH]), allow,
+            (confine._LD, 0, 0, 0)]
     for name in refused:
         prog += [(confine._JEQ, 0, 1, LANDLOCK_NR.get(name) or table[name]), deny]
     prog += [(confine._JEQ, 0, 1, table["clone3"]), (confine._RET, 0, 0, confine._ERRNO | 38),
