@@ -8,7 +8,6 @@ cgroup mount, a rootless user namespace), then runs the check in a fresh Python.
 import ctypes
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -169,8 +168,8 @@ def run_in(name):
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux") or os.geteuid() != 0 or not shutil.which("true"),
-                    reason="the launcher needs root on Linux to simulate the environments")
+@pytest.mark.skipif(not sys.platform.startswith("linux") or os.geteuid() != 0 or not confine.has_capability(21),
+                    reason="the launcher needs root with CAP_SYS_ADMIN on Linux to simulate the environments")
 @pytest.mark.parametrize("name", ENVIRONMENTS)
 def test_the_sandbox_starts_and_says_what_is_in_force(name):
     where, spec, expected_off, reasons = ENVIRONMENTS[name]
