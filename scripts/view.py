@@ -14,7 +14,7 @@ and the sampler's log-probs differ most outlined (values in the tooltip). Token 
 tokenizer (RUN_DIR/final, the newest RUN_DIR/step_*, the model in summary.json, or --tokenizer); without one the
 page shows token ids. `#open=ID,...` in the URL opens those elements (e.g. view.html#open=s3g0t1k).
 With more steps kept than --max_steps, or more than --max_mb of them, fewer steps spread evenly from the first to the
-last are shown (--steps names them instead); a paper-scale step (16 x 20k tokens) makes ~19 MB of page.
+last are shown (--steps names them instead); a paper-scale step (16 x 20k tokens) makes ~12 MB of page.
 """
 import argparse
 import glob
@@ -231,9 +231,9 @@ def trajectory(rec, key, tokenizer, cache, top):
     """A trajectory's <details>: summary line, conversation blocks, the lazy token view and its JSON."""
     mask, calls = rec.get("loss_mask") or [], rec.get("tool_calls") or []
     bits = [f'#{rec.get("sample_index", "?")}']
-    if "reward" in rec:
+    if rec.get("reward") is not None:
         bits.append(f'reward {fmt(rec["reward"])}')
-    if "advantage" in rec:
+    if rec.get("advantage") is not None:
         bits.append(f'<span class="{"p" if rec["advantage"] > 0 else "n" if rec["advantage"] < 0 else ""}">'
                     f'adv {fmt(rec["advantage"])}</span>')
     if "score" in rec or "correct" in rec:
