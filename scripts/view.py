@@ -272,7 +272,7 @@ def group_html(records, key, tokenizer, cache, top):
     title = user_text(prompt).splitlines()[0][:100] if user_text(prompt) else ""
     marks = "".join('<span class="p">&#10003;</span>' if r.get("correct") else '<span class="n">&#10007;</span>'
                     for r in records)
-    rewards = [r["reward"] for r in records if "reward" in r]
+    rewards = [r["reward"] for r in records if r.get("reward") is not None]
     extra = (f" · mean reward {sum(rewards) / len(rewards):+.3f}" if rewards else "") + \
         (" · rewards all equal" if len(rewards) > 1 and len(set(rewards)) == 1 else "")
     trajs = "".join(trajectory(r, f"{key}t{j}", tokenizer, cache, top) for j, r in enumerate(records))
@@ -288,7 +288,7 @@ def step_html(step, records, tokenizer, cache, top):
     key = f"s{step if step is not None else 'e'}"
     n = len(records)
     correct = sum(bool(r.get("correct")) for r in records)
-    rewards = [r["reward"] for r in records if "reward" in r]
+    rewards = [r["reward"] for r in records if r.get("reward") is not None]
     head = ("evaluation" if step is None else f"step {step}") + f" · {plural(len(groups), 'group')} · " \
         f"{plural(n, 'trajectory', 'trajectories')} · " \
         f"{correct}/{n} correct" + (f" · mean reward {sum(rewards) / len(rewards):+.3f}" if rewards else "")
