@@ -122,10 +122,11 @@ def check_resume(saved, current, fields_that_matter, allow):
 
 
 class Metrics:
-    """out_dir/metrics.jsonl on rank 0 (path None: no file, out_dir says where wandb writes). A resumed run first drops the lines past its step
-    (written after the checkpoint it resumes from), so no step appears twice. With config.wandb_project set,
-    rank 0 also logs to Weights & Biases: the config once, every line's numbers under the same names ("time":
-    {"rollout": s} as time/rollout), the final summary; a resumed run continues the same wandb run."""
+    """out_dir/metrics.jsonl on rank 0 (path None: no file; out_dir: where wandb writes). A resumed run first
+    drops the lines past its step (written after the checkpoint it resumes from), so no step appears twice.
+    With config.wandb_project set, rank 0 also logs to Weights & Biases: the config once, every line's numbers
+    under the same names ("time": {"rollout": s} as time/rollout), the final summary; a resumed run continues
+    the same wandb run."""
 
     def __init__(self, path, config, step=0, out_dir=None):
         rank0 = not dist.is_initialized() or dist.get_rank() == 0

@@ -194,6 +194,70 @@ try:
 except SystemExit:             # LiveCodeBench grades the output printed before a SystemExit
     pass
 """
+# Assert-style rows (upstream's code_math): the row's import_prefix, the program, then one line of
+# check(candidate). The program runs in a namespace of its own; check() in a fresh one made from
+# the prefix after it, restored after every call; whatever crosses between them is rebuilt from
+# plain builtins (numpy scalars made Python ones) and the prefix's own classes (ListNode, ...), so no
+# object, helper or builtin of the program's takes part in a comparison; exiting early fails.
+_ASSERT_HARNESS = """import builtins
+def _plain(value, classes, seen):
+    if type(value) in (bool, int, float, complex, str, bytes, type(None)):
+        return value
+    if id(value) in seen:
+        return seen[id(value)]
+    if type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 0:
+        return _plain(value.item(), classes, seen)
+    for base, copy in ((int, int.__int__), (float, float.__float__), (complex, complex.__complex__),
+                       (str, str.__str__), (bytes, bytes.__bytes__)):
+        if isinstance(value, base):
+            return copy(value)
+    if isinstance(value, (list, dict)):
+        out = seen[id(value)] = [] if isinstance(value, list) else {{}}
+        if isinstance(value, list):
+            out.extend(_plain(x, classes, seen) for x in list.__iter__(value))
+        else:
+            out.update((_plain(k, classes, seen), _plain(x, classes, seen)) for k, x in dict.items(value))
+        return out
+    for base in (tuple, frozenset, set):
+        if isinstance(value, base):
+            return base(_plain(x, classes, seen) for x in base.__iter__(value))
+    if type(value).__name__ in classes:
+        out = seen[id(value)] = object.__new__(classes[type(value).__name__])
+        for key, x in dict.items(object.__getattribute__(value, "__dict__")):
+            object.__setattr__(out, key, _plain(x, classes, seen))
+        return out
+    raise TypeError(f"the solution gave a {{type(value).__name__}}, not a plain value")
+def _space(prefix, clean):
+    names = {{"__name__": "__main__", "__builtins__": dict(clean)}}
+    exec(compile(prefix, "<prefix>", "exec", dont_inherit=True), names)
+    return names
+def _classes(names):
+    return {{v.__name__: v for v in names.values() if isinstance(v, type) and v.__module__ == "__main__"}}
+def _grade(prefix, program, test, entry_point):
+    clean = dict(vars(builtins))
+    theirs = _space(prefix, clean)
+    try:
+        exec(compile(program, "<solution>", "exec", dont_inherit=True), theirs)
+        candidate = eval(entry_point, theirs)
+    except SystemExit:
+        raise AssertionError("the solution exited before its test ran") from None
+    ours = _space(prefix, clean)
+    exec(compile(test, "<test>", "exec", dont_inherit=True), ours)
+    saved, saved_builtins = dict(ours), dict(ours["__builtins__"])
+    def call(*args, **kwargs):
+        args, kwargs = _plain((args, kwargs), _classes(theirs), {{}})
+        try:
+            value = candidate(*args, **kwargs)
+        except SystemExit:
+            raise AssertionError("the solution exited during its test") from None
+        finally:                 # what the test sees, as it was before the call
+            for names, snapshot in ((ours, saved), (saved["__builtins__"], saved_builtins)):
+                names.clear()
+                names.update(snapshot)
+        return _plain(value, _classes(ours), {{}})
+    ours["check"](call)
+_grade({prefix!r}, {program!r}, {test!r}, {entry_point!r})
+"""
 # Imported as a module (not __main__), as LiveCodeBench does; the value comes back as its
 # repr (numpy values made Python ones) for the caller to rebuild and compare by value.
 _CALL_HARNESS = """import json, sys, types
@@ -241,12 +305,12 @@ def run_tests(program, tests, timeout=6.0, stop_on_failure=False, memory_mb=1024
     """Per-test pass/fail of `program` on `tests` (the three shapes of docs/CONTRACTS.md), one
     sandboxed run per test, concurrent unless `stop_on_failure` (one by one, the first failure
     fails the rest unrun). Outputs are compared here, not in the sandbox; an assert-style test
-    passes when its run exits 0."""
+    passes when its run ends "ok" (the sandbox's epilogue after check() returned, _ASSERT_HARNESS)."""
     source, cases, jobs = program if isinstance(program, str) else "", tests.get("cases") or [], []
     if tests.get("test_code") is not None:     # assert-style, as upstream's code_math grades
         lines = [line for line in tests["test_code"].split("\n") if line != ""]
-        jobs = [(f"{tests.get('import_prefix', '')}{source}\n{lines[0]}{line}\ncheck({tests['entry_point']})", "",
-                 lambda r: r.ok) for line in lines[1:]]
+        jobs = [(_ASSERT_HARNESS.format(prefix=tests.get("import_prefix", ""), program=source, test=lines[0] + line,
+                                        entry_point=tests["entry_point"]), "", lambda r: r.ok) for line in lines[1:]]
     elif tests.get("fn_name"):
         for case, marker in zip(cases, (f"@@sandbox-result-{secrets.token_hex(8)}@@" for _ in cases)):
             code = _CALL_HARNESS.format(source=LCB_PRELUDE + source, fn_name=tests["fn_name"],

@@ -7,8 +7,10 @@ it), loading on the meta device and then tensor by tensor onto the target device
 recomputes the logits chunk by chunk in backward: never full-vocabulary fp32 logits for a whole sequence.
 Packed input: input_ids [1, N] plus int32 cu_seqlens, attention inside each sequence (flash-attn varlen on CUDA
 in bf16/fp16, one SDPA call per sequence elsewhere). `kv_cache`: any object with attend(layer, q, k, v) -> out
-(rollout.py's paged cache). No departure from the paper's math; where the paper samples with vLLM and trains
-with verl, one module does both, so sampler and trainer log-probs come from one implementation.
+(rollout.py's paged cache). No departure from the paper's math. Where the paper samples with vLLM and trains
+with verl, this one module does both, with the same weights; the attention kernels differ (the sampler reads
+its paged cache, the trainer attends over packed sequences), so their log-probs agree to rounding, not bit for
+bit: rl.py logs the difference (mismatch_*). attention_path() says which kernels run here and why.
 """
 
 import contextlib
@@ -315,7 +317,8 @@ class Transformer(nn.Module):
             packed = (cu_seqlens.to(device=input_ids.device, dtype=torch.int32), bounds,
                       max(e - s for s, e in zip(bounds, bounds[1:])))
             if positions is None:  # restart at 0 at every sequence
-                positions = torch.cat([torch.arange(e - s) for s, e in zip(bounds, bounds[1:])]).to(input_ids.device)[None]
+                positions = torch.cat([torch.arange(e - s) for s, e in zip(bounds, bounds[1:])])
+                positions = positions.to(input_ids.device)[None]
         if positions is None:
             positions = torch.arange(T, device=input_ids.device).expand(B, T)
         x = self.model.embed_tokens(input_ids)

@@ -5,9 +5,10 @@ code-tool calls in the sandbox, replies fed back), graded by evaluate.py, reward
 fraction of tests for code, the capped tool bonus for wrong answers, DAPO's overlong penalty),
 normalised within each problem's group (GRPO), old log-probs recomputed by the training forward,
 then PPO updates on mini-batches of 16 problems with the loss written out below: clip-higher,
-dual clip, token-mean over every response token of the mini-batch. One module samples and
-trains, so no weights are ever synchronised. Metrics to out_dir/metrics.jsonl, checkpoints
-(Hugging Face dirs plus exact resume state) to out_dir/step_NNNNNN.
+dual clip, token-mean over every response token of the mini-batch. The sampler runs the trained
+module itself (no copy into an inference engine; under FSDP2 each rank gathers the full weights
+once per rollout). Metrics to out_dir/metrics.jsonl (and wandb), kept trajectories to
+out_dir/trajectories, checkpoints (Hugging Face dirs plus exact resume state) to out_dir/step_NNNNNN.
 
     python rl.py                                     # the toy preset: the CPU demo, ~1.5 min
     python rl.py --model DIR --data problems.jsonl --steps 10
@@ -81,7 +82,7 @@ class Config:  # defaults: the paper's recipe (docs/DESIGN.md: the source of eac
     kl_coef: float = 0.0           # KL to the frozen start policy (none in the recipe)
     tis_cap: float = 0.0           # truncated importance sampling towards the sampler (0: off)
     adv_eps: float = 1e-6
-    tool_bonus: bool = True        # wrong answers: min(tool_bonus_cap, r + tool_bonus_per_turn * tool turns)
+    tool_bonus: bool = True        # wrong answers: min(tool_bonus_cap, r + tool_bonus_per_turn x tool turns)
     tool_bonus_per_turn: float = 0.1
     tool_bonus_cap: float = -0.6
     overlong: bool = True          # DAPO's soft overlong punishment
@@ -161,13 +162,25 @@ def correctness_reward(kind, score, has_program=True):
     return 1.0 if score >= 1.0 else -1.0
 
 
-def shape_reward(correctness, tool_turns, length, cfg):
-    """Correctness, the capped tool bonus for wrong answers (paper Eq. 8: trying the tool pays,
-    but never as much as a right answer; the recipe counts assistant turns that called the tool),
-    and the overlong penalty."""
+def tool_turns(calls):
+    """The assistant turns that called a tool: turns with a call that was run (a malformed one, status
+    bad_call, does not count); several calls in one turn count once."""
+    return len({c["turn"] for c in calls if c["status"] != "bad_call"})
+
+
+def shape_reward(correctness, turns, length, cfg):
+    """The recipe's reward (paper Eq. 8, upstream's recipe/demystify/reward.py compute_score):
+
+        if score < 0:  score = min(-0.6, score + (num_turns - 2) / 2 * 0.1)
+
+    A wrong answer is one whose correctness is negative (-1: a wrong math or choice answer, a code
+    answer without a program; partial code credit is not wrong). verl's num_turns counts the
+    conversation's messages (the user's, each assistant turn, each tool reply), so (num_turns - 2) / 2
+    is the number of tool turns (`tool_turns`): trying the tool pays, but never as much as a right
+    answer. Then DAPO's overlong penalty on the response length, forced tool-reply tokens included."""
     r = correctness
     if cfg.tool_bonus and r < 0:
-        r = min(cfg.tool_bonus_cap, r + cfg.tool_bonus_per_turn * tool_turns)
+        r = min(cfg.tool_bonus_cap, r + cfg.tool_bonus_per_turn * turns)
     if cfg.overlong:
         r += overlong_penalty(length, cfg.max_response_tokens, cfg.overlong_buffer, cfg.overlong_factor)
     return r
@@ -182,7 +195,8 @@ def aggregate(per_token, mask, agg, num_tokens, seq_ids=None, num_seqs=None):
     if seq_ids is None:
         seq_ids = torch.arange(mask.shape[0], device=mask.device)[:, None].expand_as(mask)
     S, flat = int(seq_ids.max()) + 1, seq_ids.reshape(-1)
-    tok_sum = torch.zeros(S, dtype=per_token.dtype, device=mask.device).index_add(0, flat, (per_token * mask).reshape(-1))
+    tok_sum = torch.zeros(S, dtype=per_token.dtype, device=mask.device).index_add(0, flat,
+                                                                                   (per_token * mask).reshape(-1))
     tok_cnt = torch.zeros(S, dtype=mask.dtype, device=mask.device).index_add(0, flat, mask.reshape(-1))
     num_seqs = int((tok_cnt > 0).sum()) if num_seqs is None else num_seqs
     return (tok_sum / tok_cnt.clamp(min=1)).sum() / max(num_seqs, 1)
@@ -311,7 +325,8 @@ def trainer_peak(model, opt, cfg, device):
     two fp32 moments, which its first step allocates. Every rank runs it (FSDP's collectives)."""
     torch.cuda.reset_peak_memory_stats(device)
     for n, grad in ((cfg.logprob_micro_batch_tokens, False), (cfg.micro_batch_tokens, True)):
-        ids, cu = torch.zeros(1, n, dtype=torch.long, device=device), torch.tensor([0, n], dtype=torch.int32, device=device)
+        ids = torch.zeros(1, n, dtype=torch.long, device=device)
+        cu = torch.tensor([0, n], dtype=torch.int32, device=device)
         model.train(grad)
         with torch.set_grad_enabled(grad):
             logp = model.token_logprobs(ids, ids, cu_seqlens=cu)
@@ -364,8 +379,9 @@ class TimedSandbox:
                 self.seconds += future.result().seconds or 0.0
 
 
+# the rollout settings that rollouts and evaluations share
 SHARED = ("top_k", "max_prompt_tokens", "max_response_tokens", "max_turns", "max_parallel_calls",
-          "tool_output_chars", "tool_timeout", "tool_memory_mb", "enable_thinking")   # the rollout settings rollouts and evaluation share
+          "tool_output_chars", "tool_timeout", "tool_memory_mb", "enable_thinking")
 
 
 def has_program(text):
@@ -383,11 +399,11 @@ def grade(problems, trajs, cfg):
         p = problems[t.problem_index]
         score = evaluate.score(p, t.text, code_timeout=cfg.code_test_timeout)
         correct_r = correctness_reward(p["kind"], score, p["kind"] != "code" or has_program(t.text))
-        tool_turns = len({c["turn"] for c in t.tool_calls if c["status"] != "bad_call"})
         return dict(
             problem=t.problem_index, sample=t.sample_index, ids=list(t.prompt_ids) + list(t.response_ids),
             prompt_len=len(t.prompt_ids), mask=list(t.loss_mask), sampler_logprobs=list(t.logprobs),
-            score=score, correct=score >= 1.0, reward=shape_reward(correct_r, tool_turns, len(t.response_ids), cfg),
+            score=score, correct=score >= 1.0,
+            reward=shape_reward(correct_r, tool_turns(t.tool_calls), len(t.response_ids), cfg),
             tool_calls=len(t.tool_calls), tool_ok=sum(c["status"] == "ok" for c in t.tool_calls),
             length=len(t.response_ids), finish=t.finish_reason, text=t.text, traj=t)
 
@@ -450,9 +466,12 @@ def score_tokens(model, samples, key, cfg, device, entropy=False):
 
 
 def update(model, opt, samples, num_tokens, num_seqs, cfg, device, world):
-    """One optimizer step's gradient on this rank's share of a mini-batch. Every term is divided
-    by the mini-batch's global token (or sequence) count, so the accumulated gradient is the
-    token-mean over the whole mini-batch however it is split. Returns the summed stats."""
+    """One optimizer step's gradient on this rank's share of a mini-batch; returns the summed stats.
+    Why it is the exact token mean over the whole mini-batch, however micro-batches and ranks split it:
+      each micro-batch's loss is sum(its tokens' terms) / num_tokens (the mini-batch's count, all ranks);
+      backward() adds the micro-batches' gradients on a rank; FSDP then averages over the ranks
+      (reduce-scatter, a divide by world: common.build_model), so loss x world makes that average a sum:
+      sum over ranks and micro-batches of sum(terms) / num_tokens = the token mean of the mini-batch."""
     model.train()
     opt.zero_grad(set_to_none=True)
     clip_high = cfg.clip_high if cfg.clip_higher else cfg.clip_low
@@ -510,6 +529,10 @@ def step_metrics(step, everyone, groups, updates, samples, device, engine_stats)
     updates), the entropy and the sampler/trainer log-prob mismatch over this step's tokens, the
     KV pool (its size, its peak use and the preemptions: the largest and the sum over ranks)."""
     n, calls = len(everyone), sum(s["tool_calls"] for s in everyone)
+    # The mismatch: the sampler's log-probs are under the distribution it drew from (softmax at the
+    # temperature, cut to top-k / top-p and renormalised: rollout.sample), the trainer's old log-probs under
+    # the full softmax at the same temperature. They agree, up to the two attention kernels' rounding, only
+    # at top_p 1 and top_k 0 (the RL defaults; train() warns otherwise). The loss's ratio uses the trainer's.
     ent = total = worst = outside = count = 0.0
     for s in samples:
         m, start = torch.tensor(s["mask"], dtype=torch.bool), s["prompt_len"] - 1
@@ -518,7 +541,8 @@ def step_metrics(step, everyone, groups, updates, samples, device, engine_stats)
         total, count = total + float(d.abs().sum()), count + d.numel()
         worst = max([worst] + d.abs().tolist())
         outside += float(((d.exp() < 0.9) | (d.exp() > 1.1)).sum())
-    ent, total, outside, count, preemptions = all_reduce([ent, total, outside, count, engine_stats["preemptions"]], device)
+    ent, total, outside, count, preemptions = all_reduce([ent, total, outside, count, engine_stats["preemptions"]],
+                                                         device)
     rec = {"event": "step", "step": step, "reward": sum(s["reward"] for s in everyone) / n,
            "accuracy": sum(s["correct"] for s in everyone) / n, "score": sum(s["score"] for s in everyone) / n,
            "tool_calls_per_traj": calls / n,
@@ -553,15 +577,15 @@ def keep_trajectories(cfg, step, batch_ids, batch, samples, tokenizer):
             mine.append(dict(t.to_dict(), step=step, problem_index=s["problem"], uid=str(batch_ids[s["problem"]]),
                              kind=p["kind"], source=p.get("source"), prompt=tokenizer.decode(t.prompt_ids),
                              reward=s["reward"], advantage=s["adv"], score=s["score"], correct=s["correct"],
-                             logprobs=[round(x, 4) for x in t.logprobs],
-                             trainer_logprobs=[round(x, 4) for x in s["old_logprobs"][start:].tolist()]))
+                             logprobs=[float(f"{x:.4g}") for x in t.logprobs],   # 4 significant digits
+                             trainer_logprobs=[float(f"{x:.4g}") for x in s["old_logprobs"][start:].tolist()]))
     everyone = all_gather_list(mine)
     if dist.get_rank() == 0 and everyone:
         folder = os.path.join(cfg.out_dir, "trajectories")
         os.makedirs(folder, exist_ok=True)
         with gzip.open(os.path.join(folder, f"step_{step:06d}.jsonl.gz"), "wt", encoding="utf-8") as f:
-            f.writelines(json.dumps(r, ensure_ascii=False, separators=(",", ":")) + "\n" for r in sorted(everyone, key=lambda r: (
-                r["problem_index"], r["sample_index"])))
+            for r in sorted(everyone, key=lambda r: (r["problem_index"], r["sample_index"])):
+                f.write(json.dumps(r, ensure_ascii=False, separators=(",", ":")) + "\n")
 
 
 def learning_curve(out_dir):
@@ -614,6 +638,9 @@ def _train(cfg, rank, world, device, sharded):
     problems = load_problems(cfg.data)
     eval_problems = load_problems(cfg.eval_data)[:cfg.eval_limit or None] if cfg.eval_data else []
     start_sandbox(cfg, rank)
+    if cfg.top_p < 1 or cfg.top_k > 0:
+        print0(f"warning: top_p {cfg.top_p} / top_k {cfg.top_k}: the sampler draws from a truncated distribution, the "
+               f"trainer's log-probs are the full softmax's; mismatch_* then measures the truncation too")
     path = resolve_model(cfg.model)
     tokenizer = AutoTokenizer.from_pretrained(path)
     rcfg = rollout.RolloutConfig(n=cfg.samples_per_prompt, temperature=cfg.temperature, top_p=cfg.top_p,
@@ -726,7 +753,8 @@ def _train(cfg, rank, world, device, sharded):
             json.dump(summary, f, indent=2)
         print(learning_curve(cfg.out_dir), flush=True)
         if "before" in summary and "after" in summary:
-            show = lambda k: " -> ".join("n/a" if x[k] is None else f"{x[k]:.3f}" for x in (summary["before"], summary["after"]))
+            show = lambda k: " -> ".join("n/a" if x[k] is None else f"{x[k]:.3f}"
+                                         for x in (summary["before"], summary["after"]))
             print(f"held-out accuracy {show('accuracy')}, tool calls per response {show('tool_calls_per_response')} "
                   f"({cfg.out_dir}/summary.json)", flush=True)
     return summary

@@ -1,21 +1,20 @@
-"""rollout.py: a paged-KV batched sampler and the multi-turn agent loop with the code tool.
+"""rollout.py: a paged-KV batched sampler and the multi-turn agent loop with tools.
 
-`generate` / `complete`: token-id prompts in, new ids (and log-probs) out. K/V sits in fixed-size blocks
-with a block table per sequence; full prompt blocks are shared by reference count (the n samples of a
-prompt prefill it once); continuous batching; preemption by recompute when blocks run out. With
-flash-attn on CUDA, attention reads the paged pools and a decode step runs at a fixed batch bucket, one
-CUDA graph per bucket; elsewhere prefill uses SDPA and decode keeps the running rows' K/V contiguous
-between steps (on CPU against transposed weight copies). Sampling: greedy at temperature 0, else
-temperature, top-k, top-p and a float64 inverse CDF fed by each sequence's own seeded generator, whose
-stream does not depend on batching, preemption or tool timing; the logits do in their last bits (CPU fp32:
-the same tokens, log-probs within 1e-5; CUDA bf16: tokens may differ with the batch shape).
+`generate` / `complete`: token-id prompts in, new ids (and log-probs) out, through an `Engine`: K/V in
+fixed-size blocks with a block table per sequence (PagedKVCache; RowKVCache and FlashKVCache are its two
+fast paths), full prompt blocks shared by reference count (the n samples of a prompt prefill it once),
+continuous batching, preemption by recompute when blocks run out. The pool is sized once: keep one Engine
+per process (rl.py and evaluate.py do). Sampling: greedy at temperature 0, else temperature, top-k, top-p
+and a float64 inverse CDF fed by each sequence's own seeded generator, whose stream does not depend on
+batching, preemption or tool timing; the logits do in their last bits (CPU fp32: the same tokens,
+log-probs within 1e-5; CUDA bf16: tokens may differ with the batch shape).
 
 `rollout(model, tokenizer, problems, RolloutConfig(n=16))`: the prompt is [system] + user rendered with
-tools=[TOOL_SCHEMA]. A turn that ends with the end-of-turn token and holds `<tool_call>` blocks (found as
-verl's Hermes parser finds them, inside <think> too) sends its first max_parallel_calls calls to the
-sandbox as Futures while the other trajectories keep decoding. The reply (mask 0) is the template's
-rendering with the tool output as plain text: no string in it becomes an added token. Token in, token
-out. A turn ended by another end id (<|endoftext|>) ends the trajectory ("eos").
+every tool of TOOLS (the code interpreter; a fork adds its own, see Tool). A turn that ends with the
+end-of-turn token and holds `<tool_call>` blocks (found as verl's Hermes parser finds them, inside <think>
+too) sends its first max_parallel_calls calls to their tools as Futures while the other trajectories keep
+decoding. The reply (mask 0) is the template's rendering of the tool messages; message text never becomes
+an added token (ChatFormat). Token in, token out. Another end id (<|endoftext|>) ends the trajectory.
 
 Departures from the paper (vLLM inside verl's agent loop): plain PyTorch, no cache of freed prefix
 blocks; a malformed call gets a short error reply (status bad_call) where verl drops it; a reply that
@@ -64,7 +63,8 @@ class Trajectory:
     loss_mask: list[int]       # 1 on sampled tokens, 0 on forced tool-reply tokens
     logprobs: list[float]      # sampler log-probs, 0.0 where mask is 0
     text: str                  # decoded response (tool replies included, special tokens kept)
-    tool_calls: list[dict]     # {"name", "arguments", "status" (ok|error|timeout|memory|killed|bad_call), "output", "turn"}
+    tool_calls: list[dict]     # {"name", "arguments", "status", "output", "turn"}; status: ok | error | timeout |
+                               # memory | killed (the sandbox's) | bad_call (malformed, unknown tool, bad arguments)
     num_turns: int             # assistant turns, the one cut by the budget included
     finish_reason: str         # "stop" | "eos" | "length" | "max_turns"
 
@@ -182,41 +182,32 @@ def cuda_graph(fn, pool):
 
 
 class PagedKVCache:
-    """Per-layer K/V pools [2, blocks + 1, block_size, kv_heads, head_dim] (K then V in flash-attn's paged layout,
-    the last block a spare that padded rows write to) and the current step's layout; `attend` is model.py's seam."""
+    """Every sequence's K/V in fixed-size blocks: per layer a pool [2, blocks + 1, block_size, kv_heads, head_dim]
+    (K then V, flash-attn's paged layout; the last block a spare that padded rows write to) and per sequence a
+    block table. `begin` lays out one step; `attend`, model.py's seam, writes the step's K/V into their slots and
+    attends over everything each sequence holds.
 
-    row_headroom = 128  # free positions past the longest row when the decode row buffers are laid out
+    Prefix sharing (BlockManager) lets the n samples of a prompt hold its full blocks once, and a sequence may
+    take a block that a sibling is filling in the same prefill step. That is exact only because of the order
+    inside `attend`: in every layer, all of the step's new K/V are written into the pool before any sequence
+    reads from it, so the sibling's keys are there when this sequence reads its block table, layer by layer.
+    A reordering that reads before it writes (a fused kernel per sequence, say) would break sharing silently.
 
-    def __init__(self, config, num_blocks, block_size, device, dtype, use_flash, row_budget=0):
+    This class is the plain path, on any device: a prefill is one SDPA call per sequence (its cached tokens read
+    from its blocks), a decode step gathers each group's blocks. Two subclasses change only where K/V is read,
+    and can be skipped on a first reading: RowKVCache keeps decoding rows contiguous between steps (the default
+    without flash-attn), FlashKVCache lets flash-attn read the pools and runs decode in CUDA graphs."""
+
+    def __init__(self, config, num_blocks, block_size, device, dtype):
         shape = (2, num_blocks + 1, block_size, config.num_key_value_heads, config.head_dim)
         # zeros, not empty: padded reads get weight 0, and 0 * NaN garbage would still be NaN
         self.kv = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.num_hidden_layers)]
         self.v_offset, self.spare_slot = (num_blocks + 1) * block_size, num_blocks * block_size  # in a flat view
-        self.block_size, self.device, self.use_flash, self.scratch, self.static = block_size, device, use_flash, None, None
-        self.row_budget, self.rows, self.row_cached = row_budget, None, {}   # rows x capacity <= row_budget
-        self.row_kv = [torch.zeros(2, 0, 0, 0, 0)]
+        self.block_size, self.device, self.scratch = block_size, device, None
 
     def decode_order(self, batch):
-        """The decode batch, longest first. While the same sequences keep decoding, each step writes one token per
-        row into contiguous row buffers [2, rows, Hkv, capacity, D] instead of gathering every block again; a new
-        set or a row that outgrows them lays them out again, refilled from the pool once. Rows are padded to the
-        longest: past row_budget tokens, decode gathers each group's blocks every step instead."""
-        if self.use_flash:
-            return batch
-        if {id(s): s.num_cached for s in batch} == self.row_cached and max(map(len, batch)) <= self.row_kv[0].shape[3]:
-            return self.rows  # last step's rows, one token longer each (self.rows keeps the ids alive)
-        rows, step = sorted(batch, key=len, reverse=True), self.row_headroom
-        capacity = -(-(len(rows[0]) + step) // step) * step
-        self.rows, self.row_cached = (rows, None) if len(rows) * capacity <= self.row_budget else (None, {})
-        _, have_rows, _, have_capacity, _ = self.row_kv[0].shape
-        if self.rows and (len(rows) > have_rows or capacity > have_capacity):
-            if capacity > have_capacity:  # geometric growth: a long decode reallocates log(n) times
-                capacity = max(capacity, min(2 * have_capacity, self.row_budget // len(rows)))
-            self.row_kv = None  # free the old buffers first
-            _, _, _, hkv, d = self.kv[0].shape
-            self.row_kv = [torch.zeros(2, len(rows), hkv, capacity, d, device=self.device, dtype=p.dtype) for p in self.kv]
-        self.stale = True  # refill from the pool before the step
-        return rows
+        """The order the rows of a decode step run in (the subclasses choose theirs)."""
+        return batch
 
     def begin(self, batch, decode):
         """Lay out one step (each sequence's uncached tail, packed); returns (input_ids, positions)."""
@@ -227,50 +218,19 @@ class PagedKVCache:
             ids += seq.token_ids[seq.num_cached:]
             positions += span
             slots += [seq.block_table[p // bs] * bs + p % bs for p in span]
-        self.seqs, self.decode, self.use_rows = batch, decode, decode and bool(self.rows)  # a bool: what torch.compile guards
+        self.seqs, self.decode = batch, decode
         self.k_lens, self.q_lens = [len(s) for s in batch], [len(s) - s.num_cached for s in batch]
         self.cu_q = list(itertools.accumulate(self.q_lens, initial=0))
         width = max(len(s.block_table) for s in batch)
-        self.block_tables = upload([s.block_table + [0] * (width - len(s.block_table)) for s in batch], dev, torch.int32)
+        tables = [s.block_table + [0] * (width - len(s.block_table)) for s in batch]
+        self.block_tables = upload(tables, dev, torch.int32)
         self.context_lens = upload(self.k_lens, dev, torch.int32)
         self.pool_index = upload([(s, s + self.v_offset) for s in slots], dev, torch.long)  # K and V slot of each token
         self.last_index = upload([c - 1 for c in self.cu_q[1:]], dev, torch.long)  # each sequence's last token
-        if self.use_flash:  # a prefill: begin_bucketed lays out flash decode steps
-            self.cu_q_t = upload(self.cu_q, dev, torch.int32)
-            self.cu_k_t = upload(list(itertools.accumulate(self.k_lens, initial=0)), dev, torch.int32)
-        elif decode:
+        if decode:
             self.groups = self._length_groups()
-            if self.rows and self.stale:  # copy every row's cached K/V out of the pool, head-major
-                for layer, rows in enumerate(self.row_kv):
-                    pool = self._gather(layer, self.block_tables.flatten().long()).view(2, len(batch), -1, *self.kv[0].shape[3:])
-                    width = min(pool.shape[2], rows.shape[3])  # the last block may overhang the buffer
-                    rows[:, :len(batch), :, :width].copy_(pool[:, :, :width].transpose(2, 3))
-                self.stale = False
-            if self.rows:  # after this step every row holds len(seq) tokens; K/V c of row r, head h
-                self.row_cached = {id(s): len(s) for s in batch}   # goes to ((c * R + r) * Hkv + h) * cap + len - 1
-                _, R, hkv, cap, _ = self.row_kv[0].shape
-                self.row_index = upload([((c * R + r) * hkv + h) * cap + n - 1 for r, n in enumerate(self.k_lens)
-                                         for c in (0, 1) for h in range(hkv)], dev, torch.long)
         shape = (len(batch), 1) if decode else (1, len(ids))
         return upload(ids, dev, torch.long).view(shape), upload(positions, dev, torch.long).view(shape)
-
-    def begin_bucketed(self, batch, max_batch, max_blocks):
-        """Lay out a flash decode step in static buffers at the bucket's batch size; returns the bucket. Padded rows
-        write the spare block and read one token of it, so real rows see nothing of them."""
-        n, b = len(batch), bucket(len(batch))
-        if self.static is None:  # ids, positions, slots, lengths; block tables (int32, as flash-attn takes them)
-            self.static = (torch.zeros(4, bucket(max_batch), dtype=torch.int32, device=self.device),
-                           torch.zeros(bucket(max_batch), max_blocks, dtype=torch.int32, device=self.device))
-        meta, tables = self.static
-        lens = [len(s) for s in batch]
-        slots = [s.block_table[(k - 1) // self.block_size] * self.block_size + (k - 1) % self.block_size for s, k in zip(batch, lens)]
-        spare = self.spare_slot // self.block_size
-        meta[:, :b].copy_(upload([[s.token_ids[-1] for s in batch] + [0] * (b - n), [k - 1 for k in lens] + [0] * (b - n),
-                                  slots + [self.spare_slot] * (b - n), lens + [1] * (b - n)], self.device, torch.int32))
-        tables[:b].copy_(upload([s.block_table + [0] * (max_blocks - len(s.block_table)) for s in batch] +
-                                [[spare] * max_blocks] * (b - n), self.device, torch.int32))
-        self.seqs, self.decode, self.context_lens, self.block_tables = batch, True, meta[3, :b], tables[:b]
-        return b
 
     def _length_groups(self):
         """Runs of rows whose longest is under twice their shortest, each attended padded to its longest
@@ -280,26 +240,26 @@ class PagedKVCache:
             if i == len(lens) or 2 * lens[i] <= lens[start]:
                 mask = None
                 if lens[i - 1] < lens[start]:  # each row sees only its own key slots
-                    mask = (torch.arange(lens[start], device=self.device) < self.context_lens[start:i, None])[:, None, None]
+                    keys = torch.arange(lens[start], device=self.device)
+                    mask = (keys < self.context_lens[start:i, None])[:, None, None]
                 groups.append((start, i, lens[start], mask))
                 start = i
         return groups
 
-    def attend(self, layer, q, k, v):
-        """Store this step's k/v in their slots, then attend over everything each sequence holds."""
+    def write(self, layer, q, k, v):
+        """The step's K and V into their slots of the pool (both in one index_copy_); returns q [N, Hq, D] and
+        kv [N, 2, Hkv, D], the step's tokens packed."""
         B, T, Hq, D = q.shape
         q, kv = q.reshape(B * T, Hq, D), torch.stack([k.reshape(B * T, -1, D), v.reshape(B * T, -1, D)], 1)
-        pool = self.kv[layer]
-        pool.view(-1, *kv.shape[2:]).index_copy_(0, self.pool_index.flatten(), kv.flatten(0, 1))  # K and V at once
-        if self.use_flash and self.decode:  # flash-attn reads the paged pools (block size a multiple of 256)
-            out = flash_attn_with_kvcache(q[:, None], pool[0], pool[1], cache_seqlens=self.context_lens,
-                                          block_table=self.block_tables, causal=True)[:, 0]
-        elif self.use_flash:
-            out = flash_attn_varlen_func(q, pool[0], pool[1], self.cu_q_t, self.cu_k_t, max(self.q_lens),
-                                         max(self.k_lens), causal=True, block_table=self.block_tables)
-        else:
-            out = self._attend_decode(layer, q, kv) if self.decode else self._attend_prefill(layer, q, kv)
-        return out.reshape(B, T, Hq, D)
+        self.kv[layer].view(-1, *kv.shape[2:]).index_copy_(0, self.pool_index.flatten(), kv.flatten(0, 1))
+        return q, kv
+
+    def attend(self, layer, q, k, v):
+        """Write first, then read: see the class docstring on prefix sharing."""
+        shape = q.shape
+        q, kv = self.write(layer, q, k, v)
+        out = self._attend_decode(layer, q, kv) if self.decode else self._attend_prefill(layer, q, kv)
+        return out.reshape(shape)
 
     def _gather(self, layer, blocks):
         """K and V of the given blocks, copied into the scratch buffer: [2, n, block_size, Hkv, D]."""
@@ -308,18 +268,16 @@ class PagedKVCache:
             self.scratch = pool.new_empty((2, max(n, 64), *pool.shape[2:]))
         return torch.index_select(pool, 1, blocks, out=self.scratch[:, :n])
 
+    def _group_kv(self, layer, start, end, width):
+        """Keys and values [n, Hkv, width, D] of decode rows start..end: their blocks, gathered."""
+        _, _, _, hkv, D = self.kv[layer].shape
+        blocks = self.block_tables[start:end, :-(-width // self.block_size)].flatten().long()
+        return self._gather(layer, blocks).view(2, end - start, -1, hkv, D)[:, :, :width].transpose(2, 3)
+
     def _attend_decode(self, layer, q, kv):  # one query per row, attended per group of similar lengths
-        (_, Hq, D), hkv = q.shape, kv.shape[2]
-        if self.use_rows:
-            rows = self.row_kv[layer]
-            rows.view(-1, D).index_copy_(0, self.row_index, kv.view(-1, D))
-        outs = []
+        (_, Hq, D), hkv, outs = q.shape, kv.shape[2], []
         for start, end, width, mask in self.groups:
-            if self.use_rows:
-                keys, values = rows[:, start:end, :, :width]
-            else:  # gather the group's blocks (this step's k/v are already in the pool)
-                blocks = self.block_tables[start:end, :-(-width // self.block_size)].flatten().long()
-                keys, values = self._gather(layer, blocks).view(2, end - start, -1, hkv, D)[:, :, :width].transpose(2, 3)
+            keys, values = self._group_kv(layer, start, end, width)
             n = end - start  # kv head h answers query heads hG..hG+G-1: queries [n, Hkv, G, D], keys [n, Hkv, width, D]
             out = F.scaled_dot_product_attention(q[start:end].view(n, hkv, Hq // hkv, D), keys, values, attn_mask=mask)
             outs.append(out.reshape(n, Hq, D))
@@ -339,6 +297,113 @@ class PagedKVCache:
             out = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
             outs.append(out[0].transpose(0, 1))
         return torch.cat(outs)
+
+
+class RowKVCache(PagedKVCache):
+    """Fast path 1 (the default without flash-attn, CPU or CUDA): while the same sequences keep decoding, each
+    step writes its one token per row into contiguous row buffers [2, rows, Hkv, capacity, D] as well as into
+    the pool, and reads the rows instead of gathering every block again (17-38% of the rollout bench's rows on
+    CPU). A new set of rows, or a row that outgrows them, lays them out again, refilled from the pool once.
+    Rows are padded to the longest: past row_budget tokens, decode gathers blocks as the plain path does."""
+
+    row_headroom = 128  # free positions past the longest row when the rows are laid out
+
+    def __init__(self, config, num_blocks, block_size, device, dtype, row_budget):
+        super().__init__(config, num_blocks, block_size, device, dtype)
+        self.row_budget, self.rows, self.row_cached = row_budget, None, {}   # rows x capacity <= row_budget
+        self.row_kv = [torch.zeros(2, 0, 0, 0, 0)]
+
+    def decode_order(self, batch):
+        """Longest first; the same rows, in the same order, while the same sequences keep decoding."""
+        if {id(s): s.num_cached for s in batch} == self.row_cached and max(map(len, batch)) <= self.row_kv[0].shape[3]:
+            return self.rows  # last step's rows, one token longer each (self.rows keeps the ids alive)
+        rows, step = sorted(batch, key=len, reverse=True), self.row_headroom
+        capacity = -(-(len(rows[0]) + step) // step) * step
+        self.rows, self.row_cached = (rows, None) if len(rows) * capacity <= self.row_budget else (None, {})
+        _, have_rows, _, have_capacity, _ = self.row_kv[0].shape
+        if self.rows and (len(rows) > have_rows or capacity > have_capacity):
+            if capacity > have_capacity:  # geometric growth: a long decode reallocates log(n) times
+                capacity = max(capacity, min(2 * have_capacity, self.row_budget // len(rows)))
+            self.row_kv = None  # free the old buffers first
+            _, _, _, hkv, d = self.kv[0].shape
+            self.row_kv = [torch.zeros(2, len(rows), hkv, capacity, d, device=self.device, dtype=p.dtype)
+                           for p in self.kv]
+        self.stale = True  # refill from the pool before the step
+        return rows
+
+    def begin(self, batch, decode):
+        layout = super().begin(batch, decode)
+        self.use_rows = decode and bool(self.rows)  # a bool: what torch.compile guards
+        if self.use_rows and self.stale:  # copy every row's cached K/V out of the pool, head-major
+            for layer, rows in enumerate(self.row_kv):
+                pool = self._gather(layer, self.block_tables.flatten().long())
+                pool = pool.view(2, len(batch), -1, *self.kv[0].shape[3:])
+                width = min(pool.shape[2], rows.shape[3])  # the last block may overhang the buffer
+                rows[:, :len(batch), :, :width].copy_(pool[:, :, :width].transpose(2, 3))
+            self.stale = False
+        if self.use_rows:  # after this step every row holds len(seq) tokens; K/V c of row r, head h
+            self.row_cached = {id(s): len(s) for s in batch}   # goes to ((c * R + r) * Hkv + h) * cap + len - 1
+            _, R, hkv, cap, _ = self.row_kv[0].shape
+            self.row_index = upload([((c * R + r) * hkv + h) * cap + n - 1 for r, n in enumerate(self.k_lens)
+                                     for c in (0, 1) for h in range(hkv)], self.device, torch.long)
+        return layout
+
+    def _attend_decode(self, layer, q, kv):
+        if self.use_rows:  # the step's token into each row, then the rows are read instead of the blocks
+            self.row_kv[layer].view(-1, q.shape[-1]).index_copy_(0, self.row_index, kv.view(-1, q.shape[-1]))
+        return super()._attend_decode(layer, q, kv)
+
+    def _group_kv(self, layer, start, end, width):
+        if self.use_rows:
+            return self.row_kv[layer][:, start:end, :, :width]
+        return super()._group_kv(layer, start, end, width)
+
+
+class FlashKVCache(PagedKVCache):
+    """Fast path 2 (flash-attn on CUDA, blocks of 256): flash-attn reads the pools through the block tables, a
+    prefill with flash_attn_varlen_func, a decode step with flash_attn_with_kvcache. A decode step is laid out
+    by begin_bucketed in static buffers at a fixed batch size per bucket (the next power of two), so the Engine
+    captures it once per bucket as a CUDA graph and replays it."""
+
+    def __init__(self, config, num_blocks, block_size, device, dtype):
+        super().__init__(config, num_blocks, block_size, device, dtype)
+        self.static = None
+
+    def begin(self, batch, decode):  # prefills only: begin_bucketed lays out decode steps
+        layout = super().begin(batch, decode)
+        self.cu_q_t = upload(self.cu_q, self.device, torch.int32)
+        self.cu_k_t = upload(list(itertools.accumulate(self.k_lens, initial=0)), self.device, torch.int32)
+        return layout
+
+    def begin_bucketed(self, batch, max_batch, max_blocks):
+        """Lay out a decode step in static buffers at the bucket's batch size; returns the bucket. Padded rows
+        write the spare block and read one token of it, so real rows see nothing of them."""
+        n, b = len(batch), bucket(len(batch))
+        if self.static is None:  # ids, positions, slots, lengths; block tables (int32, as flash-attn takes them)
+            self.static = (torch.zeros(4, bucket(max_batch), dtype=torch.int32, device=self.device),
+                           torch.zeros(bucket(max_batch), max_blocks, dtype=torch.int32, device=self.device))
+        meta, tables = self.static
+        bs, lens = self.block_size, [len(s) for s in batch]
+        slots = [s.block_table[(k - 1) // bs] * bs + (k - 1) % bs for s, k in zip(batch, lens)]
+        spare = self.spare_slot // bs
+        pad = [0] * (b - n)
+        meta[:, :b].copy_(upload([[s.token_ids[-1] for s in batch] + pad, [k - 1 for k in lens] + pad,
+                                  slots + [self.spare_slot] * (b - n), lens + [1] * (b - n)], self.device, torch.int32))
+        tables[:b].copy_(upload([s.block_table + [0] * (max_blocks - len(s.block_table)) for s in batch] +
+                                [[spare] * max_blocks] * (b - n), self.device, torch.int32))
+        self.seqs, self.decode, self.context_lens, self.block_tables = batch, True, meta[3, :b], tables[:b]
+        return b
+
+    def attend(self, layer, q, k, v):
+        shape, pool = q.shape, self.kv[layer]
+        q, _ = self.write(layer, q, k, v)
+        if self.decode:
+            out = flash_attn_with_kvcache(q[:, None], pool[0], pool[1], cache_seqlens=self.context_lens,
+                                          block_table=self.block_tables, causal=True)[:, 0]
+        else:
+            out = flash_attn_varlen_func(q, pool[0], pool[1], self.cu_q_t, self.cu_k_t, max(self.q_lens),
+                                         max(self.k_lens), causal=True, block_table=self.block_tables)
+        return out.reshape(shape)
 
 
 def sample(logits, temperature, top_p, top_k, uniform):
@@ -382,7 +447,8 @@ def kv_budget(device, utilization=0.9, trainer_peak=0):
     budget = int(total * utilization) - others - peak
     if budget <= 0:
         raise RuntimeError(f"no GPU memory left for the KV cache: {total / 2**30:.1f} GiB x {utilization} - "
-                           f"{others / 2**30:.1f} GiB held outside torch - {peak / 2**30:.1f} GiB at this process's peak")
+                           f"{others / 2**30:.1f} GiB held outside torch - {peak / 2**30:.1f} GiB at this "
+                           f"process's peak")
     return budget
 
 
@@ -413,7 +479,8 @@ class Engine:
         longest = max(max_seq_lens) if max_seq_lens else cfg.max_position_embeddings
         self.max_blocks = min(num_blocks, -(-longest // block_size))  # block-table width of a bucketed step
         self.num_blocks, self.blocks = num_blocks, BlockManager(num_blocks, block_size, share_prefix)
-        self.cache = PagedKVCache(cfg, num_blocks, block_size, self.device, self.dtype, self.use_flash, row_budget)
+        self.cache = FlashKVCache(cfg, num_blocks, block_size, self.device, self.dtype) if self.use_flash else \
+            RowKVCache(cfg, num_blocks, block_size, self.device, self.dtype, row_budget)
         self.max_num_seqs, self.max_prefill_tokens, self.raw_logprobs = max_num_seqs, max_prefill_tokens, False
         self.waiting, self.running, self.held = deque(), deque(), []
         self.weights_t = {}  # CPU: [in, out] weight copies (model.Linear), remade when a weight changes
@@ -532,7 +599,8 @@ class Engine:
                 self.weights_t = transposed_weights(self.model, self.weights_t)
             with transposed(self.weights_t):
                 one_group = decode and self.compiled and len(self.cache.groups) == 1
-                h = (self.compiled if one_group else self.model.hidden)(input_ids, positions=positions, kv_cache=self.cache)
+                forward = self.compiled if one_group else self.model.hidden
+                h = forward(input_ids, positions=positions, kv_cache=self.cache)
                 logits = self.model.lm_head(h[:, 0] if decode else h[0, self.cache.last_index]).float()
             self.stats["decode_tokens" if decode else "prefill_tokens"] += input_ids.numel()
         for seq in batch:
@@ -563,8 +631,9 @@ class Engine:
             logp = torch.log_softmax(logits, -1).gather(1, tokens[:, None])[:, 0]
         else:
             u = [s.next_uniform() if p.temperature > 0 else 0.0 for s, p in zip(batch, params)]
-            tokens, logp = sample(logits, torch.tensor([p.temperature for p in params]), torch.tensor([p.top_p for p in params]),
-                                  torch.tensor([p.top_k for p in params]), torch.tensor(u, dtype=torch.float64))
+            column = lambda name: torch.tensor([getattr(p, name) for p in params])
+            tokens, logp = sample(logits, column("temperature"), column("top_p"), column("top_k"),
+                                  torch.tensor(u, dtype=torch.float64))
         cols = [tokens.double(), logp.double()]
         if self.raw_logprobs:
             cols.append(torch.log_softmax(logits, -1).gather(1, tokens[:, None])[:, 0].double())
@@ -693,7 +762,8 @@ class ChatFormat:
         if (role, n) not in self._pieces:
             slots = [self.CONTENT.format(i) for i in range(n)]
             messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": self.ASSISTANT}]
-            text = self.render(messages + [{"role": role, "content": s} for s in slots], True).split(self.ASSISTANT, 1)[1]
+            text = self.render(messages + [{"role": role, "content": s} for s in slots], True)
+            text = text.split(self.ASSISTANT, 1)[1]
             if not text.startswith(self.end_of_turn_text):
                 raise ValueError(f"chat template: assistant turn does not end with {self.end_of_turn_text!r}")
             text = text[len(self.end_of_turn_text):]
@@ -781,9 +851,9 @@ class Agent:
 
     def trajectory(self, tokenizer):
         seq, response = self.seq, self.seq.token_ids[self.seq.num_prompt:]
-        return Trajectory(self.problem_index, self.sample_index, seq.token_ids[:seq.num_prompt], response, list(seq.mask),
-                          list(seq.logprobs), tokenizer.decode(response, skip_special_tokens=False), self.tool_calls,
-                          self.num_turns, self.finish_reason)
+        return Trajectory(self.problem_index, self.sample_index, seq.token_ids[:seq.num_prompt], response,
+                          list(seq.mask), list(seq.logprobs), tokenizer.decode(response, skip_special_tokens=False),
+                          self.tool_calls, self.num_turns, self.finish_reason)
 
 
 class AgentLoop:
@@ -811,7 +881,8 @@ class AgentLoop:
                     if self._end_turn(by_seq[id(seq)]):
                         waiting.append(by_seq[id(seq)])
             elif waiting:
-                concurrent.futures.wait([f for a in waiting for _, f in a.pending], return_when=concurrent.futures.FIRST_COMPLETED)
+                concurrent.futures.wait([f for a in waiting for _, f in a.pending],
+                                        return_when=concurrent.futures.FIRST_COMPLETED)
         return agents
 
     def _finish(self, agent, reason):
@@ -863,7 +934,8 @@ class AgentLoop:
                     reply = future.result()
                     record["status"], record["output"] = ("ok", reply) if isinstance(reply, str) else reply
                 except Exception as e:  # a sandbox failure is the tool's answer, not a crash of the rollout
-                    record["status"], record["output"] = "error", f"Error: the tool failed: {type(e).__name__}: {e}"[:200]
+                    record["status"] = "error"
+                    record["output"] = f"Error: the tool failed: {type(e).__name__}: {e}"[:200]
             agent.tool_calls.append(record)
         seq, outputs, agent.pending = agent.seq, [r["output"] for r, _ in agent.pending], []
         forced = self.chat.forced_ids("tool", outputs)
@@ -894,11 +966,13 @@ def rollout(model, tokenizer, problems, config, sandbox=None, seeds=None, engine
     for i, problem in enumerate(problems):
         ids = chat.prompt_ids(problem["prompt"], problem.get("system"))
         if len(ids) > config.max_prompt_tokens:
-            raise ValueError(f"problem {i}: prompt is {len(ids)} tokens, over max_prompt_tokens={config.max_prompt_tokens}")
+            raise ValueError(f"problem {i}: prompt is {len(ids)} tokens, "
+                             f"over max_prompt_tokens={config.max_prompt_tokens}")
         prompts += [ids] * config.n
         keys += [(i, j) for j in range(config.n)]
     if engine is None:
-        engine = Engine(model, **{"max_seq_lens": [len(p) + config.max_response_tokens for p in prompts], **engine_kwargs})
+        engine = Engine(model, **{"max_seq_lens": [len(p) + config.max_response_tokens for p in prompts],
+                                  **engine_kwargs})
     engine.new_rollout()
     per_sequence = [sequence_seed(seeds[i], j) for i, j in keys] if seeds is not None else None
     agents = AgentLoop(engine, chat, config, sandbox, tools).run(prompts, keys, per_sequence)

@@ -131,7 +131,8 @@ def mark_content(chat, messages, tools, where):
     if any(ord(c) in chat._unmark for c in text):
         raise DataError(f"{where}: the text holds a character of U+F0000.., which marks added-token strings here")
     present = {t for t in chat.marks if t in text}
-    read = {t for t in present if chat.unmark(chat.render(chat.mark_messages(messages, present - {t}), tools=tools)) != real}
+    read = {t for t in present  # marking t alone changes the rendering: the template reads t
+            if chat.unmark(chat.render(chat.mark_messages(messages, present - {t}), tools=tools)) != real}
     marked = chat.mark_messages(messages, keep=read)
     if chat.unmark(chat.render(marked, tools=tools)) != real:
         raise DataError(f"{where}: the chat template renders the messages differently once the added-token strings "
@@ -160,7 +161,8 @@ def render(chat, messages, tools=None, where="record"):
         if not full.startswith(prefix):
             j = next((j for j, (a, b) in enumerate(zip(prefix, full)) if a != b), min(len(prefix), len(full)))
             raise DataError(f"{where}: messages[{i}]: the chat template renders the first messages differently "
-                            f"from the whole conversation (at character {j}: {prefix[j:j + 40]!r} vs {full[j:j + 40]!r}); "
+                            f"from the whole conversation (at character {j}: {prefix[j:j + 40]!r} vs "
+                            f"{full[j:j + 40]!r}); "
                             f"the assistant mask needs a template whose earlier turns render the same in every "
                             f"prefix (a template that drops earlier turns' reasoning needs each turn's reasoning "
                             f"removed from the data, or a template without that rule)")
@@ -337,7 +339,8 @@ def _train(cfg, rank, world, device, sharded):
            f"in one pass ({time.time() - t0:.1f}s)")
 
     model = build_model(base_path, device, sharded)
-    model.attn_backend, model.gradient_checkpointing, fsdp = cfg.attn_backend, cfg.gradient_checkpointing, is_fsdp(model)
+    model.attn_backend, model.gradient_checkpointing = cfg.attn_backend, cfg.gradient_checkpointing
+    fsdp = is_fsdp(model)
     model.train()
     if device.type == "cuda" or cfg.attn_backend == "flash":
         print0(attention_path(cfg.attn_backend, device, compute_dtype(device)))
@@ -394,10 +397,12 @@ def _train(cfg, rank, world, device, sharded):
         seconds, tokens = time.time() - t_step, sum(lengths[i] for i in batch)
         run_tokens, run_time = run_tokens + tokens, run_time + seconds
         # ranks run their micro-batches in lockstep: each costs what the largest over ranks costs
-        slots = world * sum(max(sum(lengths[i] for i in micro[r][k]) for r in range(world)) for k in range(len(micro[0])))
+        slots = world * sum(max(sum(lengths[i] for i in micro[r][k]) for r in range(world))
+                            for k in range(len(micro[0])))
         entry = dict(event="train", step=step, epoch=epoch, loss=float(nll_sum) / loss_tokens, lr=lr,
                      grad_norm=grad_norm, tokens=tokens, loss_tokens=loss_tokens, micro_batches=len(micro[0]),
-                     padding_waste=1 - tokens / slots, budget_fill=tokens / (len(micro[0]) * world * cfg.micro_batch_tokens),
+                     padding_waste=1 - tokens / slots,
+                     budget_fill=tokens / (len(micro[0]) * world * cfg.micro_batch_tokens),
                      tokens_per_s=tokens / seconds, seconds=seconds)
         if device.type == "cuda":
             entry["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30

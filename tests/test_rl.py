@@ -61,7 +61,7 @@ def test_reward_shaping():
     assert rl.correctness_reward("code", 0.5) == 0.5       # fraction of tests, program present
     assert rl.correctness_reward("code", 0.0) == 0.0
     assert rl.correctness_reward("code", 0.0, has_program=False) == -1.0
-    # capped tool bonus for wrong answers: min(-0.6, -1 + 0.1 calls)
+    # capped tool bonus for wrong answers: min(-0.6, -1 + 0.1 x tool turns)
     assert [shape_reward(wrong, k, 10, cfg) for k in (0, 1, 2, 4, 10)] == pytest.approx([-1, -0.9, -0.8, -0.6, -0.6])
     assert shape_reward(right, 5, 10, cfg) == 1.0          # never above a right answer
     assert shape_reward(0.5, 3, 10, cfg) == 0.5            # partial code credit is not "wrong"

@@ -99,7 +99,7 @@ def test_decode_rows_regrow_and_refill(sharp, monkeypatch):
     prompts = ragged_prompts(model.config.vocab_size)
     budgets = [48, 10, 30, 5, 48, 20]
     want = complete(model, prompts, 48, temperature=1.0, seed=3)
-    monkeypatch.setattr(rollout.PagedKVCache, "row_headroom", 2)
+    monkeypatch.setattr(rollout.RowKVCache, "row_headroom", 2)
     engine = Engine(model, max_num_seqs=2, max_seq_lens=[len(p) + b for p, b in zip(prompts, budgets)])
     got = complete(model, prompts, budgets, temperature=1.0, seed=3, engine=engine)
     assert engine.cache.row_kv[0].shape[3] > 2
