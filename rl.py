@@ -727,24 +727,26 @@ def _train(cfg, rank, world, device, sharded):
                     opt.zero_grad(set_to_none=True)  # the gradients' memory goes back to the rollout's pool
                     updates.append(stats)
 
-        # 5. log, evaluate, save
+        # 5. evaluate, log, save
         record = step_metrics(step + 1, everyone, groups, updates, samples, device, engine.stats)
         keep_trajectories(cfg, step + 1, batch_ids, batch, samples, tokenizer)
-        t0, last = time.time(), step + 1 == steps
+        last = step + 1 == steps
         if eval_problems and (last or (cfg.eval_every and (step + 1) % cfg.eval_every == 0)):
-            record["eval"] = evals["last"] = run_eval(model, tokenizer, eval_problems, cfg, step + 1, engine)
+            with phase("eval", times, memory, device):
+                record["eval"] = evals["last"] = run_eval(model, tokenizer, eval_problems, cfg, step + 1, engine)
             if last:
                 evals["after"] = evals["last"]
-        if last or (cfg.save_every and (step + 1) % cfg.save_every == 0):
-            save_dtype = DTYPES[model.config.dtype if cfg.save_dtype == "auto" else cfg.save_dtype]
-            save_checkpoint(cfg.out_dir, step + 1, model, opt, tokenizer, dict(config=asdict(cfg), evals=evals), path,
-                            dtype=save_dtype, keep=cfg.keep_checkpoints)
-        times.update(eval_save=time.time() - t0, step=time.time() - t_step)
+        times["step"] = time.time() - t_step
         record["time"] = {k: round(v, 3) for k, v in times.items()}
         if memory:
             record["memory_gib"] = memory
-        metrics.log(**record)
+        metrics.log(**record)  # before the checkpoint: a run killed between the two redoes the step, not its line
         print_step(record, samples, cfg)
+        if last or (cfg.save_every and (step + 1) % cfg.save_every == 0):
+            t0, save_dtype = time.time(), DTYPES[model.config.dtype if cfg.save_dtype == "auto" else cfg.save_dtype]
+            save_checkpoint(cfg.out_dir, step + 1, model, opt, tokenizer, dict(config=asdict(cfg), evals=evals), path,
+                            dtype=save_dtype, keep=cfg.keep_checkpoints)
+            metrics.log(event="save", step=step + 1, seconds=round(time.time() - t0, 3))
 
     summary = {"steps": steps, "config": asdict(cfg), **{k: evals[k] for k in ("before", "after") if k in evals}}
     metrics.finish({k: v for k, v in summary.items() if k != "config"})

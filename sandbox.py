@@ -5,8 +5,9 @@ forks one child per run on request. The child gets its job and stdin, stdout and
 pipes straight from the pool (which does all I/O, deadlines and verdicts), confines itself,
 then exec()s the code: no job data ever enters the zygote that later children copy.
 API: run, run_many, submit (a Future), capabilities() on a default pool or a `Sandbox`;
-configure(workers, require) and check() for the default pool; the code tool (TOOL_SCHEMA,
-prepare_code, format_tool_output). evaluate.run_tests grades code with it.
+configure(workers, require) and check() for the default pool; what the code tool runs and replies
+(prepare_code, format_tool_output; its schema and registration: rollout.TOOLS). evaluate.run_tests
+grades code with it.
     python sandbox.py 'print(1 + 1)'   python sandbox.py --tool $'x = 6 * 7\nx'
     python sandbox.py --capabilities   python scripts/bench_sandbox.py
 
@@ -63,10 +64,6 @@ from confine import (ARCH, MAX_FILES, PR_SET_CHILD_SUBREAPER, PR_SET_DUMPABLE, P
                      missing_layer, prctl, readable_paths, seccomp_filter)
 
 _THIS_FILE = os.path.abspath(__file__)     # what the workers run, whatever the cwd later
-TOOL_SCHEMA = {"type": "function", "function": {
-    "name": "code_interpreter", "description": "A tool for executing code.",
-    "parameters": {"type": "object", "required": ["code"], "properties": {
-        "code": {"type": "string", "description": "The code to execute."}}}}}
 DEFAULT_OUTPUT_LIMIT = 64 * 1024   # bytes kept of stdout and of stderr, each
 DEFAULT_DISK_MB = 64               # tmpfs size: the run's total bytes on disk
 MAX_TASKS = 256                    # tasks per run, the main thread included

@@ -433,7 +433,7 @@ def check_rl(plan, device, cache):
     t, mem = rec.get("time", {}), rec.get("memory_gib") or {}
     kv = {k: rec.get(k) for k in ("kv_pool_tokens", "kv_peak_tokens", "preemptions")}
     na = {k: "n/a" if v is None else v for k, v in kv.items()}
-    times = ", ".join(f"{k} {t.get(k, 0):.1f}" for k in ("rollout", "old_logprob", "update", "eval_save"))
+    times = ", ".join(f"{k} {t.get(k, 0):.1f}" for k in ("rollout", "old_logprob", "update"))
     prompt_len = len(tok.encode(problems[0]["prompt"]))
     return dict(wall_seconds=round(wall, 1), time=t, memory_gib=mem, **kv, response_length=rec.get("response_length"),
                 prompt_tokens=prompt_len, model=cache["base_note"],

@@ -853,11 +853,6 @@ def test_module_level_api():
 
 # ----------------------------------------------------------------------------- the tool
 
-def test_tool_schema():
-    fn = sandbox.TOOL_SCHEMA["function"]
-    assert fn["name"] == "code_interpreter" and fn["parameters"]["required"] == ["code"]
-
-
 def test_prepare_code_prints_the_last_expression(box):
     cases = {
         "x = 5\nx * 2": "10\n",
