@@ -252,7 +252,8 @@ def available_cores() -> int:
     cores = len(os.sched_getaffinity(0))
     for quota_file, period_file in (("cpu.max", "cpu.max"), ("cpu/cpu.cfs_quota_us", "cpu/cpu.cfs_period_us")):
         with contextlib.suppress(OSError, ValueError):
-            quota, period = (open("/sys/fs/cgroup/" + f).read().split()[i] for f, i in ((quota_file, 0), (period_file, -1)))
+            quota, period = (open("/sys/fs/cgroup/" + f).read().split()[i]
+                             for f, i in ((quota_file, 0), (period_file, -1)))
             if quota not in ("max", "-1"):
                 cores = min(cores, max(1, math.ceil(int(quota) / int(period))))
     return cores

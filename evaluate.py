@@ -62,7 +62,7 @@ class EvalConfig:
     filter_out: str = ""                # model-aware filtering: write the kept problems here
     seed: int = 0
     dtype: str = ""                     # "" = bfloat16 on CUDA, float32 on CPU
-    attn_backend: str = "auto"          # auto (flash-attn where it imports, on CUDA) | sdpa | flash (an error without it)
+    attn_backend: str = "auto"          # auto (flash-attn where it imports, on CUDA) | sdpa | flash (error without)
     sandbox_workers: int = 0            # sandbox processes of this rank (0: its share of the cores, LOCAL_WORLD_SIZE)
     sandbox_require: str = "floor"      # floor: every layer the machine grants | all: refuse to start without each one
     wandb_project: str = ""             # log the config and the summary to Weights & Biases ("": off)
@@ -107,7 +107,8 @@ UNIT_WORDS = set(("degrees degree cm centimeters centimetres mm meters metres me
 TEXT_ONLY_UNITS = {"m", "s", "g", "h", "l", "min", "cm^2"}  # dropped only inside \text{}: elsewhere a variable
 _TEXT_CMD = re.compile(r"\\(?:text|textbf|textrm|textit|mathrm|mathbf|mbox|operatorname)\s*\{([^{}]*)\}")
 _TEXT_UNIT = re.compile(_TEXT_CMD.pattern + r"(?:\^\{?[23]\}?)?")  # \text{cm}^2
-_TRAILING_UNIT = re.compile(r"(?:\s|\\ |~)*(?<![A-Za-z\\])(?:" + "|".join(sorted(UNIT_WORDS)) + r")\b(?:\^\{?[23]\}?)?\s*$")
+_TRAILING_UNIT = re.compile(r"(?:\s|\\ |~)*(?<![A-Za-z\\])(?:" + "|".join(sorted(UNIT_WORDS)) +
+                            r")\b(?:\^\{?[23]\}?)?\s*$")
 
 
 def _is_unit(words):
@@ -428,7 +429,8 @@ def summarize(records, pass_k=None, verl=False):
         groups = [sorted(g, key=lambda r: r["sample_index"]) for g in by_bench[bench].values()]
         n, kind, flat = min(map(len, groups)), groups[0][0]["kind"], [r for g in groups for r in g]
         res = {"kind": kind, "problems": len(groups), "samples": len(flat), "n": n,
-               f"avg@{n}": sum(r["correct"] for r in flat) / len(flat), "mean_score": sum(r["score"] for r in flat) / len(flat)}
+               f"avg@{n}": sum(r["correct"] for r in flat) / len(flat),
+               "mean_score": sum(r["score"] for r in flat) / len(flat)}
         answers = [([r["pred"] for r in g], [r["correct"] for r in g]) for g in groups]
         for k in sorted({k for k in (pass_k or [1, n]) if 0 < k <= n}):
             res[f"pass@{k}"] = sum(pass_at_k(len(c), sum(c), k) for _, c in answers) / len(groups)
@@ -556,7 +558,8 @@ def grade_trajectory(problem, traj, cfg):
     return dict(traj, uid=problem["uid"], benchmark=problem["benchmark"], kind=problem["kind"], score=s,
                 correct=s >= 1.0, pred=extract_pred(problem, text), num_tool_calls=len(calls),
                 call_status=[c.get("status") for c in calls], response_tokens=len(traj.get("response_ids") or []),
-                sampled_tokens=sum(mask), tokens_before_first_call=(mask.index(0) if 0 in mask else len(mask)) if calls else 0)
+                sampled_tokens=sum(mask),
+                tokens_before_first_call=(mask.index(0) if 0 in mask else len(mask)) if calls else 0)
 
 
 def light(rec):
@@ -610,8 +613,8 @@ def evaluate(model, tokenizer, problems, cfg, out_dir=None, progress=True, engin
             seeds = [(cfg.seed * 1_000_003 + zlib.crc32(p["uid"].encode())) % 2**31 for p in batch]
             with torch.no_grad():  # rl.py calls this with its training model
                 trajs = rollout.rollout(model, tokenizer, batch, rcfg, sandbox=sandbox, seeds=seeds, engine=engine)
-            new = [grade_trajectory(batch[t.problem_index], dict(t.to_dict(), prompt=tokenizer.decode(t.prompt_ids)), cfg)
-                   for t in trajs]
+            new = [grade_trajectory(batch[t.problem_index], dict(t.to_dict(), prompt=tokenizer.decode(t.prompt_ids)),
+                                    cfg) for t in trajs]
             if traj_file:  # one write per batch, then fsync: a kill leaves at most one torn line
                 traj_file.write("".join(json.dumps(light(r) if cfg.filter_out else r) + "\n" for r in new))
                 traj_file.flush()

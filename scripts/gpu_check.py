@@ -113,14 +113,8 @@ def environment(device):
         env.update(gpu=p.name, gpu_memory_gib=round(p.total_memory / 2**30, 1), capability=f"{p.major}.{p.minor}")
     err = flash_error()
     env["flash_attn"] = "importable" if err is None else f"not importable ({err})"
-    for dtype in (torch.bfloat16, torch.float32):  # model.py's own one-line answer where it has one
-        try:
-            line = model_py.attention_path("auto", device, dtype)
-        except Exception:
-            flash = model_py.flash_attn_varlen_func is not None and device.type == "cuda" and dtype != torch.float32
-            line = "flash-attn (varlen; paged KV decode in 256-token blocks, CUDA graphs)" if flash else \
-                f"torch SDPA; rollout KV blocks of 16, no CUDA graphs ({err or 'flash-attn is bf16/fp16 only'})"
-        env[f"attention, {str(dtype)[6:]}"] = line
+    for dtype in (torch.bfloat16, torch.float32):  # model.py's own one-line answer
+        env[f"attention, {str(dtype)[6:]}"] = model_py.attention_path("auto", device, dtype)
     return env
 
 
