@@ -320,9 +320,10 @@ def phase(name, times, memory, device):
 
 
 def trainer_peak(model, opt, cfg, device):
-    """CUDA bytes the trainer needs at its peak, weights included: a forward and backward of one update micro-batch
-    of micro_batch_tokens and a no-grad pass of one log-prob micro-batch, run once on dummy tokens, plus AdamW's
-    two fp32 moments, which its first step allocates. Every rank runs it (FSDP's collectives)."""
+    """CUDA bytes the run needs beside the KV pool at its peak, weights included: the larger of training (a
+    forward and backward of one update micro-batch of micro_batch_tokens and a no-grad pass of one log-prob
+    micro-batch, run once on dummy tokens) and generation (every weight gathered at once in bf16: full_weights),
+    each plus AdamW's two fp32 moments, which its first step allocates. Every rank runs it (FSDP collectives)."""
     torch.cuda.reset_peak_memory_stats(device)
     for n, grad in ((cfg.logprob_micro_batch_tokens, False), (cfg.micro_batch_tokens, True)):
         ids = torch.zeros(1, n, dtype=torch.long, device=device)
@@ -334,7 +335,9 @@ def trainer_peak(model, opt, cfg, device):
                 (logp.sum() * 0.0).backward()
     opt.zero_grad(set_to_none=True)
     shard = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in model.parameters())
-    return torch.cuda.max_memory_allocated(device) + 2 * 4 * shard
+    gathered = sum(p.numel() for p in model.parameters()) * torch.empty(0, dtype=compute_dtype(device)).element_size()
+    train, generate = torch.cuda.max_memory_allocated(device), torch.cuda.memory_allocated(device) + gathered
+    return max(train, generate) + 2 * 4 * shard
 
 
 def make_engine(model, opt, cfg, device, world, evaluating):
