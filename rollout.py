@@ -796,9 +796,15 @@ def run_code(arguments, sandbox, config):
     prepare, submit, fmt = (getattr(sandbox, name, None) or getattr(sandbox_module, name)
                             for name in ("prepare_code", "submit", "format_tool_output"))
     reply = concurrent.futures.Future()
-    run = submit(prepare(code), timeout=config.tool_timeout, memory_mb=config.tool_memory_mb)
-    run.add_done_callback(lambda f: reply.set_exception(f.exception()) if f.exception() else
-                          reply.set_result((f.result().status, fmt(f.result(), config.tool_output_chars))))
+
+    def done(run):
+        try:
+            result = run.result()
+            reply.set_result((result.status, fmt(result, config.tool_output_chars)))
+        except BaseException as e:  # a failed or cancelled run is the tool's failure; the reply always resolves
+            reply.set_exception(e)
+
+    submit(prepare(code), timeout=config.tool_timeout, memory_mb=config.tool_memory_mb).add_done_callback(done)
     return reply
 
 

@@ -731,3 +731,19 @@ def test_real_sandbox_round_trip(tiny_tokenizer, tiny_config):
     (t,), _ = run_scripted(tok, tiny_config, [{"prompt": "Real."}], [[first, ANSWER]], RolloutConfig(temperature=0.0), None)
     assert t.tool_calls[0]["status"] == "ok" and "42" in t.tool_calls[0]["output"]
     check_transcript(tok, chat, {"prompt": "Real."}, [first, ANSWER], t)
+
+
+def test_a_cancelled_sandbox_run_is_a_tool_error(tiny_tokenizer, tiny_config):
+    """A run the pool cancels (closing with jobs queued) answers the call with an error; the rollout never waits
+    on it forever."""
+    class CancellingSandbox(FakeSandbox):
+        def submit(self, code, timeout=10.0, memory_mb=1024, stdin=""):
+            future = concurrent.futures.Future()
+            future.cancel()
+            return future
+
+    first = {"role": "assistant", "content": "Run.", "tool_calls": [call("print(6*7)")]}
+    (t,), _ = run_scripted(tiny_tokenizer, tiny_config, [{"prompt": "Cancelled."}], [[first, ANSWER]],
+                           RolloutConfig(temperature=0.0), CancellingSandbox())
+    assert t.tool_calls[0]["status"] == "error" and "Cancelled" in t.tool_calls[0]["output"]
+    assert t.finish_reason == "stop"
