@@ -242,6 +242,17 @@ def build_model(path, device, sharded):
     return model
 
 
+def start_sandbox(workers, require, rank):
+    """Every rank starts its sandbox pool (workers 0: its share of the cores) and waits for it before any rollout:
+    a sandbox that cannot start stops the run with its own error, instead of a dead tool for the whole run."""
+    import sandbox
+    sandbox.configure(workers or None, require)
+    try:
+        print0(sandbox.check())
+    except RuntimeError as e:
+        raise SystemExit(f"rank {rank}: {e}") from None
+
+
 def compute_dtype(device):
     """The dtype a trained model computes (and samples) in: bf16 on CUDA, fp32 on CPU."""
     return torch.bfloat16 if device.type == "cuda" else torch.float32

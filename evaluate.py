@@ -673,9 +673,8 @@ def toy_arguments():
 
 
 def main(argv=None):
-    import sandbox
     import torch
-    from common import Metrics, distributed, print0
+    from common import Metrics, distributed, print0, start_sandbox
     from model import Transformer, attention_path
     from transformers import AutoTokenizer
     argv = sys.argv[1:] if argv is None else argv
@@ -684,11 +683,7 @@ def main(argv=None):
         raise SystemExit("--model DIR is required (a Hugging Face checkpoint directory)")
     with distributed() as (rank, world, device, _):
         problems = load_problems(cfg)
-        sandbox.configure(cfg.sandbox_workers or None, cfg.sandbox_require)
-        try:  # every rank, before any rollout: a sandbox that cannot start stops here with its own error
-            print0(sandbox.check())
-        except RuntimeError as e:
-            raise SystemExit(f"rank {rank}: {e}") from None
+        start_sandbox(cfg.sandbox_workers, cfg.sandbox_require, rank)
         out_dir = cfg.out or os.path.join("runs", "eval", os.path.basename(os.path.normpath(cfg.model)))
         dtype = getattr(torch, cfg.dtype) if cfg.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
         model = Transformer.from_pretrained(cfg.model, device=device, dtype=dtype).eval()

@@ -47,7 +47,7 @@ import rollout
 import sandbox
 from data import toy
 from common import Metrics, build_model, check_resume, clip_grads, compute_dtype, distributed, is_fsdp, \
-    latest_resumable, load_checkpoint, parse_config, print0, resolve_model, save_checkpoint
+    latest_resumable, load_checkpoint, parse_config, print0, resolve_model, save_checkpoint, start_sandbox
 from model import DTYPES, attention_path
 
 
@@ -354,16 +354,6 @@ def make_engine(model, opt, cfg, device, world, evaluating):
 
 
 # ---------------------------------------------------------------- rollout and grading
-def start_sandbox(cfg, rank):
-    """Every rank starts its sandbox pool (its share of the cores) and waits for it before any rollout: a
-    sandbox that cannot start stops the run with its own error, instead of a dead tool for the whole run."""
-    sandbox.configure(cfg.sandbox_workers or None, cfg.sandbox_require)
-    try:
-        print0(sandbox.check())
-    except RuntimeError as e:
-        raise SystemExit(f"rank {rank}: {e}") from None
-
-
 class TimedSandbox:
     """sandbox.submit with the seconds of its runs added up, for the step's time breakdown (the
     rollout takes the sandbox's other functions from sandbox.py itself)."""
@@ -640,7 +630,7 @@ def _train(cfg, rank, world, device, sharded):
     random.seed(cfg.seed)
     problems = load_problems(cfg.data)
     eval_problems = load_problems(cfg.eval_data)[:cfg.eval_limit or None] if cfg.eval_data else []
-    start_sandbox(cfg, rank)
+    start_sandbox(cfg.sandbox_workers, cfg.sandbox_require, rank)
     if cfg.top_p < 1 or cfg.top_k > 0:
         print0(f"warning: top_p {cfg.top_p} / top_k {cfg.top_k}: the sampler draws from a truncated distribution, the "
                f"trainer's log-probs are the full softmax's; mismatch_* then measures the truncation too")
