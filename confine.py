@@ -3,7 +3,7 @@ a seccomp BPF program assembled here, a Landlock ruleset, a private mount namesp
 a tmpfs quota; through a user namespace of its own when not root), every capability dropped, a pids
 cgroup. The floor (seccomp, rlimits, no capabilities) runs anywhere; detect() finds out once, in a
 fresh process, which further layers this machine grants and, for each it refuses, who refused it.
-sandbox.py decides the order (its docstring).
+sandbox_pool._child applies them in the order sandbox.py's docstring gives.
 """
 import contextlib
 import ctypes
@@ -307,7 +307,8 @@ def _try_mount(userns: bool) -> dict:
 
 def detect() -> dict:
     """Which optional layers this machine grants, each tried as a run uses it, and why not those it
-    refuses. It forks: sandbox.grants() runs it in a fresh process (`python -I confine.py`)."""
+    refuses. It forks: sandbox_pool.grants() runs it in a fresh process
+    (`python -I confine.py`)."""
     found = {"landlock": landlock_abi(), "landlock_why": None}
     if not found["landlock"]:
         try:

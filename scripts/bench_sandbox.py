@@ -10,6 +10,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import sandbox  # noqa: E402
+import sandbox_pool  # noqa: E402
 
 # Tool calls are mostly small computations; "sympy-integrate" shows a heavier one, where the
 # computation itself, not start-up, dominates and the pool helps less.
@@ -32,7 +33,7 @@ def rate(batch, seconds):
 
 
 def main(seconds):
-    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", **sandbox._THREAD_VARS}
+    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", **sandbox_pool._THREAD_VARS}
     with sandbox.Sandbox() as box, concurrent.futures.ThreadPoolExecutor(box.num_workers) as threads:
         started, n = time.monotonic(), box.num_workers
         preimported = box.capabilities()["preimported"]

@@ -24,6 +24,7 @@ import pytest
 
 import confine
 import sandbox
+import sandbox_pool
 from evaluate import run_tests
 from sandbox import Result, Sandbox, format_tool_output, prepare_code
 
@@ -170,7 +171,7 @@ def floor():
     """A pool with nothing but the floor, as on a machine that grants no further layer (root here:
     tests/test_sandbox_envs.py has the other users and machines)."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(sandbox, "grants", granted(**NO_LANDLOCK, **NO_MOUNT, **NO_CGROUP))
+        patch.setattr(sandbox_pool, "grants", granted(**NO_LANDLOCK, **NO_MOUNT, **NO_CGROUP))
         pool = Sandbox(workers=1, preimport=())
     pool.baseline = set(descendants(os.getpid()))
     assert pool.wait_ready().endswith("simulated)]") and pool.plan["watch"] == ["disk", "tasks"]
@@ -184,30 +185,30 @@ def test_capabilities_are_in_force(box, caps):
     print(json.dumps(caps, indent=1))
     assert caps["process_group"] and caps["seccomp"] == f"bpf filter ({platform.machine()})"
     assert caps["layers"] == box.description and caps["layers"].startswith("sandbox: 2 workers; in force: seccomp")
-    assert set(sandbox._expected(box.plan)) >= {"fork_blocked", "inet_blocked", "unix_bind_blocked", "no_new_privs",
+    assert set(sandbox_pool._expected(box.plan)) >= {"fork_blocked", "inet_blocked", "unix_bind_blocked", "no_new_privs",
                                                "capabilities_dropped", "stdin_read_only", "workdir_writable",
                                                "inotify_blocked", "locks_blocked", "host_metadata_blocked"}
-    assert all(caps["verified"][k] for k in sandbox._expected(box.plan)), caps["verified"]   # measured inside a run
-    assert caps["rlimits"]["NOFILE"] == sandbox.MAX_OPEN_FILES and caps["rlimits"]["FSIZE"] > 0
+    assert all(caps["verified"][k] for k in sandbox_pool._expected(box.plan)), caps["verified"]   # measured inside a run
+    assert caps["rlimits"]["NOFILE"] == sandbox_pool.MAX_OPEN_FILES and caps["rlimits"]["FSIZE"] > 0
     assert caps["worker_threads"] == 1                # forking a threaded worker is unsafe
     if "landlock" not in box.off:
         assert caps["landlock_abi"] == confine.landlock_abi() >= 1 and caps["verified"]["host_file_blocked"]
     if "mount" not in box.off:
         assert caps["namespace"].startswith("mount") and caps["verified"]["host_read_only"]
-        assert caps["disk_quota"] == f"tmpfs {sandbox.DEFAULT_DISK_MB} MiB"
+        assert caps["disk_quota"] == f"tmpfs {sandbox_pool.DEFAULT_DISK_MB} MiB"
     if "tasks" not in box.off:
-        assert caps["tasks"]["measured"] == caps["tasks"]["max"] == sandbox.MAX_TASKS
+        assert caps["tasks"]["measured"] == caps["tasks"]["max"] == sandbox_pool.MAX_TASKS
         assert caps["tasks"]["mechanism"].startswith(("pids cgroup", "RLIMIT_NPROC"))
 
 
 def needs(pool, layer):
     if layer in pool.off:
-        pytest.skip(f"{sandbox.LAYERS[layer]} is not in force here: {pool.off[layer]}")
+        pytest.skip(f"{sandbox_pool.LAYERS[layer]} is not in force here: {pool.off[layer]}")
 
 
 def granted(**changes):
     """What grants() found here, with some layers refused as a machine without them would."""
-    found = dict(sandbox.grants(), **changes)
+    found = dict(sandbox_pool.grants(), **changes)
     return lambda: found
 
 
@@ -219,8 +220,8 @@ NO_CGROUP = {"cgroup": None, "cgroup_why": "/sys/fs/cgroup/pids is on a read-onl
 
 @pytest.mark.parametrize("refused,layer", [(NO_LANDLOCK, "landlock"), (NO_MOUNT, "mount"), (NO_CGROUP, "tasks")])
 def test_a_missing_layer_is_named_and_require_all_stops_the_pool(monkeypatch, refused, layer, capfd):
-    monkeypatch.setattr(sandbox, "grants", granted(**refused))
-    named = re.escape(sandbox.LAYERS[layer] + " [") + ".*simulated"
+    monkeypatch.setattr(sandbox_pool, "grants", granted(**refused))
+    named = re.escape(sandbox_pool.LAYERS[layer] + " [") + ".*simulated"
     for require in ("all", layer, "floor," + layer):       # fail closed, naming what is missing and why
         with pytest.raises(RuntimeError, match=f"require={require!r}.*{named}"):
             Sandbox(workers=1, require=require)
@@ -250,7 +251,7 @@ def test_exit_codes_and_statuses(box):
         assert (r.status, r.returncode) == (status, rc), (code, r)
     assert results[0].stdout == "hi\n" and results[3].stderr == "bye\n"
     assert "ZeroDivisionError" in results[4].stderr
-    assert "sandbox.py" not in results[4].stderr      # the bootstrap's frames are hidden
+    assert "sandbox_pool.py" not in results[4].stderr      # the bootstrap's frames are hidden
     assert "SyntaxError" in results[6].stderr
     assert all(r.seconds > 0 for r in results)
 
@@ -777,7 +778,7 @@ def test_huge_output(box):
     code = ("import sys\nline = 'x' * 999 + '\\n'\nfor _ in range(100_000):   # 100 MB\n"
             "    sys.stdout.write(line)\nsys.stderr.write('e' * 10_000_000)\nprint('END')")
     r, _ = attack(box, code, timeout=20)
-    limit = sandbox.DEFAULT_OUTPUT_LIMIT
+    limit = sandbox_pool.DEFAULT_OUTPUT_LIMIT
     assert r.status == "ok", r.status
     assert len(r.stdout.encode()) < limit + 200 and len(r.stderr.encode()) < limit + 200
     assert "bytes of output cut" in r.stdout and r.stdout.endswith("END\n")
@@ -1128,7 +1129,7 @@ def test_threads_per_run_are_bounded(box, caps):
 
 
 def test_user_code_does_not_inherit_our_future_imports(box):
-    """Issue 15.6: sandbox.py has `from __future__ import annotations`; user code must not."""
+    """Issue 15.6: sandbox_pool.py has `from __future__ import annotations`; user code must not."""
     r = box.run("x: int = 1\nprint(__annotations__)")
     assert r.stdout == "{'x': <class 'int'>}\n", r
 
@@ -1267,7 +1268,7 @@ time.sleep(20)
     finally:
         r = future.result()
     instances, queued = map(int, r.stdout.split())
-    assert instances == 0 and queued <= sandbox.MAX_SIGNALS, r
+    assert instances == 0 and queued <= sandbox_pool.MAX_SIGNALS, r
 
 
 def test_locks_and_leases_do_not_hold_up_the_host(box):
@@ -1417,7 +1418,7 @@ def test_default_pool_replaced_when_broken_configured_and_checked(monkeypatch):
     """Issue 23.4/23.5: the default pool is this rank's share of the cores, configure() sets its
     options before it starts, check() says what is in force or raises the pool's own message; a
     broken default pool is replaced instead of failing every later run."""
-    monkeypatch.setattr(sandbox, "available_cores", lambda: 16)
+    monkeypatch.setattr(sandbox_pool, "available_cores", lambda: 16)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     assert sandbox.default_workers() == 2
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "32")
@@ -1432,7 +1433,7 @@ def test_default_pool_replaced_when_broken_configured_and_checked(monkeypatch):
         sandbox._default._fail("sandbox: broken on purpose")
         assert sandbox.run("print(5)").stdout == "5\n"          # a new default pool
         sandbox._default.close()
-        monkeypatch.setattr(sandbox, "_PROBE", "raise SystemExit('the probe says no')")
+        monkeypatch.setattr(sandbox_pool, "_PROBE", "raise SystemExit('the probe says no')")
         with pytest.raises(RuntimeError, match="the probe says no"):
             sandbox.check()
     finally:

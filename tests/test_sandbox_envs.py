@@ -75,11 +75,12 @@ CHECKS = {
 CHECK_SCRIPT = f"""
 import json, os, sys
 sys.path.insert(0, {PROJECT!r})
-import sandbox
+import sandbox, sandbox_pool
 spec, checks = json.loads(sys.argv[1]), json.loads(sys.argv[2])
 if spec.get("landlock_abi"):
-    found = dict(sandbox.grants(), landlock=min(spec["landlock_abi"], sandbox.grants()["landlock"]))
-    sandbox.grants = lambda: found
+    granted = sandbox_pool.grants()
+    found = dict(granted, landlock=min(spec["landlock_abi"], granted["landlock"]))
+    sandbox_pool.grants = lambda: found
 with sandbox.Sandbox(workers=1, preimport=()) as pool:
     line = pool.wait_ready()
     results = pool.run_many(list(checks.values()), timeout=3, disk_mb=16)
