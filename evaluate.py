@@ -9,30 +9,31 @@ the layout of the paper's Table 2 to stdout; a rerun with the same --out skips f
 --filter_out FILE is the paper's model-aware filtering: keep the problems solved sometimes but not
 always, tagged easy / medium / hard, with a histogram in FILE.hist.json.
 
-    python evaluate.py --model DIR --benchmarks aime24,aime25,gpqa,lcb --n 32 --temperature 1.0 --top_p 0.6
-    python evaluate.py --model DIR --data data/rl.jsonl --n 8 --top_p 1.0 --filter_out data/rl_filtered.jsonl
+    python evaluate.py --model DIR --benchmarks aime24,aime25,gpqa,lcb --n 32 \\
+        --temperature 1.0 --top_p 0.6
+    python evaluate.py --model DIR --data data/rl.jsonl --n 8 --top_p 1.0 \\
+        --filter_out data/rl_filtered.jsonl
     torchrun --nproc_per_node 8 evaluate.py -- --model DIR --n 32      # problems split across ranks
     python evaluate.py                           # the toy task's held-out set, newest toy policy
 
 Departures from the paper: the math grader normalises both sides (\\dfrac, \\text{} units, "x = 5",
 thousands separators, zero padding) before its exact match; LiveCodeBench runs in this project's
-sandbox with lcb_runner's comparison rules (run_tests), not in lcb_runner; "overall" is the
-unweighted mean over benchmarks.
+sandbox with lcb_runner's comparison rules (codetests.run_tests), not in lcb_runner; "overall" is
+the unweighted mean over benchmarks.
 """
 
-import ast
 import glob
 import json
 import os
 import re
-import secrets
 import sys
 import time
 import zlib
 from collections import Counter, defaultdict
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, fields
-from decimal import Decimal, InvalidOperation
+
+from codetests import run_tests  # the code grader's test runner; evaluate.run_tests for its users
 
 
 @dataclass
@@ -53,7 +54,7 @@ class EvalConfig:
     tool_output_chars: int = 256
     tool_timeout: float = 10.0
     tool_memory_mb: int = 1024
-    enable_thinking: str = "default"    # the chat template's switch (Qwen3 hybrid): default (its own) | true | false
+    enable_thinking: str = "default"    # Qwen3 hybrid template: default (its own) | true | false
     code_test_timeout: float = 6.0      # per test case
     pass_k: str = ""                    # e.g. "1,8,32"; default 1 and n
     verl_metrics: bool = False          # also verl's bootstrap maj@k/mean and best@k/mean
@@ -62,15 +63,16 @@ class EvalConfig:
     filter_out: str = ""                # model-aware filtering: write the kept problems here
     seed: int = 0
     dtype: str = ""                     # "" = bfloat16 on CUDA, float32 on CPU
-    attn_backend: str = "auto"          # auto (flash-attn where it imports, on CUDA) | sdpa | flash (error without)
-    sandbox_workers: int = 0            # sandbox processes of this rank (0: its share of the cores, LOCAL_WORLD_SIZE)
-    sandbox_require: str = "floor"      # floor: every layer the machine grants | all: refuse to start without each one
-    wandb_project: str = ""             # log the config and the summary to Weights & Biases ("": off)
+    attn_backend: str = "auto"          # auto (flash-attn on CUDA if it imports) | sdpa | flash
+    sandbox_workers: int = 0            # sandbox processes (0: this rank's share of the cores)
+    sandbox_require: str = "floor"      # floor: layers the machine grants | all: each one, or stop
+    wandb_project: str = ""             # log config and summary to Weights & Biases ("": off)
     wandb_run: str = ""                 # the wandb run's name ("": wandb's own)
 
 
-BENCHMARK_TITLES = {"aime24": ("MATH", "AIME2024"), "aime25": ("MATH", "AIME2025"),
-                    "gpqa": ("Science", "GPQA-Diamond"), "lcb": ("Code", "LiveCodeBench-v6")}  # Table 2
+BENCHMARK_TITLES = {  # Table 2's (group, column) per benchmark
+    "aime24": ("MATH", "AIME2024"), "aime25": ("MATH", "AIME2025"),
+    "gpqa": ("Science", "GPQA-Diamond"), "lcb": ("Code", "LiveCodeBench-v6")}
 
 BOX_WINDOW = 100  # the paper's strict grader looks only at the last 100 characters
 
@@ -100,12 +102,15 @@ def boxed_answer(response):
     return None
 
 
-UNIT_WORDS = set(("degrees degree cm centimeters centimetres mm meters metres meter metre km kilometers inches "
-                  "inch feet foot ft miles mile mph hours hour hrs minutes minute mins seconds second sec dollars "
-                  "dollar cents cent units unit square sq ways points students people days day years year pounds "
-                  "lbs grams gram kg liters litres ml").split())
-TEXT_ONLY_UNITS = {"m", "s", "g", "h", "l", "min", "cm^2"}  # dropped only inside \text{}: elsewhere a variable
-_TEXT_CMD = re.compile(r"\\(?:text|textbf|textrm|textit|mathrm|mathbf|mbox|operatorname)\s*\{([^{}]*)\}")
+UNIT_WORDS = set((
+    "degrees degree cm centimeters centimetres mm meters metres meter metre km kilometers inches "
+    "inch feet foot ft miles mile mph hours hour hrs minutes minute mins seconds second sec "
+    "dollars dollar cents cent units unit square sq ways points students people days day years "
+    "year pounds lbs grams gram kg liters litres ml").split())
+# dropped only inside \text{}: elsewhere a variable
+TEXT_ONLY_UNITS = {"m", "s", "g", "h", "l", "min", "cm^2"}
+_TEXT_CMD = re.compile(r"\\(?:text|textbf|textrm|textit|mathrm|mathbf|mbox|operatorname)"
+                       r"\s*\{([^{}]*)\}")
 _TEXT_UNIT = re.compile(_TEXT_CMD.pattern + r"(?:\^\{?[23]\}?)?")  # \text{cm}^2
 _TRAILING_UNIT = re.compile(r"(?:\s|\\ |~)*(?<![A-Za-z\\])(?:" + "|".join(sorted(UNIT_WORDS)) +
                             r")\b(?:\^\{?[23]\}?)?\s*$")
@@ -113,13 +118,16 @@ _TRAILING_UNIT = re.compile(r"(?:\s|\\ |~)*(?<![A-Za-z\\])(?:" + "|".join(sorted
 
 def _is_unit(words):
     words = words.strip().strip(".").lower()
-    return all(w in UNIT_WORDS or w in TEXT_ONLY_UNITS for w in re.split(r"[\s~]+", words)) if words else True
+    if not words:
+        return True
+    return all(w in UNIT_WORDS or w in TEXT_ONLY_UNITS for w in re.split(r"[\s~]+", words))
 
 
 def normalize_math(answer):
     """A canonical string for exact matching (Minerva-style, bounded input)."""
     s = str(answer)[:2000].strip().split("=")[-1]                 # "x = 5" -> " 5"
-    s = s.replace("\\left", "").replace("\\right", "").replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
+    s = s.replace("\\left", "").replace("\\right", "")
+    s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
     for t in ("^{\\circ}", "^\\circ", "\\circ", "\\%", "%", "\\$", "$", "\\!"):
         s = s.replace(t, "")
     rest = _TEXT_UNIT.sub(lambda m: "" if _is_unit(m.group(1)) else m.group(0), s).strip()
@@ -137,7 +145,8 @@ def normalize_math(answer):
 
 
 def normalize_choice(answer):
-    return re.sub(r"[\s$]", "", _TEXT_CMD.sub(lambda m: m.group(1), str(answer)[:200])).strip("()[]{}.:*")
+    s = _TEXT_CMD.sub(lambda m: m.group(1), str(answer)[:200])
+    return re.sub(r"[\s$]", "", s).strip("()[]{}.:*")
 
 
 # graders: never raise, linear in the response length
@@ -145,16 +154,19 @@ def score_math(response, answer):
     """The last box of the final answer equals the ground truth after normalisation."""
     try:
         boxed = boxed_answer(response)
-        return boxed is not None and normalize_math(boxed) != "" and normalize_math(boxed) == normalize_math(answer)
+        return (boxed is not None and normalize_math(boxed) != ""
+                and normalize_math(boxed) == normalize_math(answer))
     except Exception:
         return False
 
 
 def score_choice(response, letter):
-    """The boxed option letter ((B), \\text{B} allowed) is the right one; uppercase, as the prompt asks."""
+    """The boxed option letter is the right one ((B) and \\text{B} allowed; uppercase, as the
+    prompt asks)."""
     try:
         boxed = boxed_answer(response)
-        return boxed is not None and normalize_choice(boxed) == str(letter).strip().strip("()").upper()
+        return (boxed is not None
+                and normalize_choice(boxed) == str(letter).strip().strip("()").upper())
     except Exception:
         return False
 
@@ -182,170 +194,13 @@ def score_code(response, tests, timeout=6.0):
         return 0.0
 
 
-# running code problems' tests in the sandbox, by LiveCodeBench's and upstream's rules
-GRADING_OUTPUT_LIMIT = 8 << 20     # stdout and stderr kept per test run: one fixed cap, never derived from a test
-# lcb_runner/evaluation/testing_util.py's import_string, before stdin and functional programs.
-_LCB_MODULES = ("string re datetime collections heapq bisect copy math random statistics itertools "
-                "functools operator io sys json builtins typing").split()
-LCB_PRELUDE = ("".join(f"from {m} import *\n" for m in _LCB_MODULES) +
-               "".join(f"import {m}\n" for m in _LCB_MODULES[:-2]) + "sys.setrecursionlimit(50000)\n")
-_STDIN_HARNESS = """{prelude}
-try:
-    exec(compile({program!r}, "<solution>", "exec", dont_inherit=True))
-except SystemExit:             # LiveCodeBench grades the output printed before a SystemExit
-    pass
-"""
-# Assert-style rows (upstream's code_math): the row's import_prefix, the program, then one line of
-# check(candidate). The program runs in a namespace of its own; check() in a fresh one made from
-# the prefix after it, restored after every call; whatever crosses between them is rebuilt from
-# plain builtins (numpy scalars made Python ones) and the prefix's own classes (ListNode, ...), so no
-# object, helper or builtin of the program's takes part in a comparison; exiting early fails.
-_ASSERT_HARNESS = """import builtins
-def _plain(value, classes, seen):
-    if type(value) in (bool, int, float, complex, str, bytes, type(None)):
-        return value
-    if id(value) in seen:
-        return seen[id(value)]
-    if type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 0:
-        return _plain(value.item(), classes, seen)
-    for base, copy in ((int, int.__int__), (float, float.__float__), (complex, complex.__complex__),
-                       (str, str.__str__), (bytes, bytes.__bytes__)):
-        if isinstance(value, base):
-            return copy(value)
-    if isinstance(value, (list, dict)):
-        out = seen[id(value)] = [] if isinstance(value, list) else {{}}
-        if isinstance(value, list):
-            out.extend(_plain(x, classes, seen) for x in list.__iter__(value))
-        else:
-            out.update((_plain(k, classes, seen), _plain(x, classes, seen)) for k, x in dict.items(value))
-        return out
-    for base in (tuple, frozenset, set):
-        if isinstance(value, base):
-            return base(_plain(x, classes, seen) for x in base.__iter__(value))
-    if type(value).__name__ in classes:
-        out = seen[id(value)] = object.__new__(classes[type(value).__name__])
-        for key, x in dict.items(object.__getattribute__(value, "__dict__")):
-            object.__setattr__(out, key, _plain(x, classes, seen))
-        return out
-    raise TypeError(f"the solution gave a {{type(value).__name__}}, not a plain value")
-def _space(prefix, clean):
-    names = {{"__name__": "__main__", "__builtins__": dict(clean)}}
-    exec(compile(prefix, "<prefix>", "exec", dont_inherit=True), names)
-    return names
-def _classes(names):
-    return {{v.__name__: v for v in names.values() if isinstance(v, type) and v.__module__ == "__main__"}}
-def _grade(prefix, program, test, entry_point):
-    clean = dict(vars(builtins))
-    theirs = _space(prefix, clean)
-    try:
-        exec(compile(program, "<solution>", "exec", dont_inherit=True), theirs)
-        candidate = eval(entry_point, theirs)
-    except SystemExit:
-        raise AssertionError("the solution exited before its test ran") from None
-    ours = _space(prefix, clean)
-    exec(compile(test, "<test>", "exec", dont_inherit=True), ours)
-    saved, saved_builtins = dict(ours), dict(ours["__builtins__"])
-    def call(*args, **kwargs):
-        args, kwargs = _plain((args, kwargs), _classes(theirs), {{}})
-        try:
-            value = candidate(*args, **kwargs)
-        except SystemExit:
-            raise AssertionError("the solution exited during its test") from None
-        finally:                 # what the test sees, as it was before the call
-            for names, snapshot in ((ours, saved), (saved["__builtins__"], saved_builtins)):
-                names.clear()
-                names.update(snapshot)
-        return _plain(value, _classes(ours), {{}})
-    ours["check"](call)
-_grade({prefix!r}, {program!r}, {test!r}, {entry_point!r})
-"""
-# Imported as a module (not __main__), as LiveCodeBench does; the value comes back as its
-# repr (numpy values made Python ones) for the caller to rebuild and compare by value.
-_CALL_HARNESS = """import json, sys, types
-solution = types.ModuleType("solution")
-exec(compile({source!r}, "<solution>", "exec", dont_inherit=True), solution.__dict__)
-owner = solution.Solution() if isinstance(getattr(solution, "Solution", None), type) else solution
-value = getattr(owner, {fn_name!r})(*[json.loads(line) for line in {inputs!r}.split("\\n") if line.strip()])
-def plain(v):
-    if type(v).__module__ == "numpy" and hasattr(v, "tolist"):
-        return plain(v.tolist())
-    if isinstance(v, dict):
-        return {{plain(k): plain(x) for k, x in v.items()}}
-    return type(v)(map(plain, v)) if type(v) in (list, tuple, set, frozenset) else v
-text = repr(plain(value))
-sys.stdout.flush()
-sys.stdout.write("\\n" + {marker!r} + text + "\\n")
-"""
-
-
-def _same_output(got, expected):
-    """LiveCodeBench: strip the whole, split lines, strip each, same count, each line equal as text
-    or as lists of Decimal numbers (3 == 3.0)."""
-    a, b = ([line.strip() for line in text.strip().split("\n")] for text in (got, expected))
-    try:
-        return len(a) == len(b) and all(x == y or [Decimal(t) for t in x.split()] == [Decimal(t) for t in y.split()]
-                                        for x, y in zip(a, b))
-    except InvalidOperation:
-        return False
-
-
-def _call_passed(result, marker, expected, wrapped):
-    at = result.stdout.rfind(marker)
-    if not result.ok or at < 0:
-        return False
-    try:        # a repr that is no literal (an object of its own class) equals no expected value
-        got, want = ast.literal_eval(result.stdout[at + len(marker):].strip()), json.loads(expected)
-    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
-        return False
-    got = list(got) if isinstance(got, tuple) else got     # LiveCodeBench: tuples as lists
-    # TACO/APPS ground truth is wrapped in a list: its first element passes too.
-    return got == want or (wrapped and isinstance(want, list) and len(want) > 0 and got == want[0])
-
-
-def run_tests(program, tests, timeout=6.0, stop_on_failure=False, memory_mb=1024, sandbox=None):
-    """Per-test pass/fail of `program` on `tests` (the three shapes of docs/CONTRACTS.md), one
-    sandboxed run per test, concurrent unless `stop_on_failure` (one by one, the first failure
-    fails the rest unrun). Outputs are compared here, not in the sandbox; an assert-style test
-    passes when its run ends "ok" (the sandbox's epilogue after check() returned, _ASSERT_HARNESS)."""
-    source, cases, jobs = program if isinstance(program, str) else "", tests.get("cases") or [], []
-    if tests.get("test_code") is not None:     # assert-style, as upstream's code_math grades
-        lines = [line for line in tests["test_code"].split("\n") if line != ""]
-        jobs = [(_ASSERT_HARNESS.format(prefix=tests.get("import_prefix", ""), program=source, test=lines[0] + line,
-                                        entry_point=tests["entry_point"]), "", lambda r: r.ok) for line in lines[1:]]
-    elif tests.get("fn_name"):
-        for case, marker in zip(cases, (f"@@sandbox-result-{secrets.token_hex(8)}@@" for _ in cases)):
-            code = _CALL_HARNESS.format(source=LCB_PRELUDE + source, fn_name=tests["fn_name"],
-                                        inputs=str(case.get("input", "")), marker=marker)
-            jobs.append((code, "", lambda r, m=marker, e=str(case.get("output", "")):
-                         _call_passed(r, m, e, bool(tests.get("wrapped")))))
-    else:
-        harness = _STDIN_HARNESS.format(prelude=LCB_PRELUDE, program=source)
-        jobs = [(harness, str(case.get("input", "")), lambda r, e=str(case.get("output", "")):
-                 r.ok and _same_output(r.stdout, e)) for case in cases]
-    if not source.strip():
-        return [False] * len(jobs)
-    import sandbox as sandbox_module
-    box = sandbox or sandbox_module.default_sandbox()
-
-    def launch(code, stdin):
-        return box.submit(code, timeout, memory_mb, stdin, output_limit=GRADING_OUTPUT_LIMIT)
-
-    if not stop_on_failure:
-        futures = [launch(code, stdin) for code, stdin, _ in jobs]
-        return [bool(check(future.result())) for (_, _, check), future in zip(jobs, futures)]
-    passed, ok = [], True
-    for code, stdin, check in jobs:  # one after another; after the first failure nothing runs
-        ok = ok and bool(check(launch(code, stdin).result()))
-        passed.append(ok)
-    return passed
-
-
 def score(problem, response, code_timeout=6.0):
     """1.0 / 0.0 for math and choice, the fraction of tests passed for code."""
     try:
         if problem["kind"] == "code":
             return score_code(response, problem["tests"], timeout=code_timeout)
-        return float({"math": score_math, "choice": score_choice}[problem["kind"]](response, problem["answer"]))
+        grader = {"math": score_math, "choice": score_choice}[problem["kind"]]
+        return float(grader(response, problem["answer"]))
     except Exception:  # an unknown kind or a missing field scores 0
         return 0.0
 
@@ -355,10 +210,11 @@ def extract_pred(problem, response):
     try:
         kind = problem.get("kind")
         boxed = None if kind == "code" else boxed_answer(response)
-        return None if boxed is None else normalize_choice(boxed) if kind == "choice" else normalize_math(boxed)
+        if boxed is None:
+            return None
+        return normalize_choice(boxed) if kind == "choice" else normalize_math(boxed)
     except Exception:
         return None
-
 
 
 def pass_at_k(n, c, k):
@@ -407,15 +263,17 @@ def tool_stats(records):
     calls = sum(statuses.values())
     with_calls = [r for r in records if r["num_tool_calls"]]
     return {
-        "tool_calls_per_response": calls / m, "responses_with_tool_calls": len(with_calls) / m,
+        "tool_calls_per_response": calls / m,
+        "responses_with_tool_calls": len(with_calls) / m,
         "tool_call_success": statuses["ok"] / calls if calls else None,
         "tool_call_status": {k: v / calls for k, v in sorted(statuses.items())},
         "turns": sum(r["num_turns"] for r in records) / m,
         "response_tokens": sum(r["response_tokens"] for r in records) / m,
-        "tokens_before_first_call": sum(r["tokens_before_first_call"] for r in with_calls) / len(with_calls)
-        if with_calls else None,
+        "tokens_before_first_call": (sum(r["tokens_before_first_call"] for r in with_calls)
+                                     / len(with_calls) if with_calls else None),
         "tokens_per_call": sum(r["sampled_tokens"] for r in with_calls) / calls if calls else None,
-        "finish_reasons": {k: v / m for k, v in sorted(Counter(r["finish_reason"] for r in records).items())},
+        "finish_reasons": {k: v / m for k, v in
+                           sorted(Counter(r["finish_reason"] for r in records).items())},
     }
 
 
@@ -427,7 +285,9 @@ def summarize(records, pass_k=None, verl=False):
     out = {}
     for bench in sorted(by_bench):
         groups = [sorted(g, key=lambda r: r["sample_index"]) for g in by_bench[bench].values()]
-        n, kind, flat = min(map(len, groups)), groups[0][0]["kind"], [r for g in groups for r in g]
+        n = min(map(len, groups))
+        kind = groups[0][0]["kind"]
+        flat = [r for g in groups for r in g]
         res = {"kind": kind, "problems": len(groups), "samples": len(flat), "n": n,
                f"avg@{n}": sum(r["correct"] for r in flat) / len(flat),
                "mean_score": sum(r["score"] for r in flat) / len(flat)}
@@ -463,27 +323,35 @@ def headline(bench):
 def markdown_table(summary, name="model"):
     """Table 2 of the paper (one row: this model), then the details per benchmark."""
     benches = list(summary["benchmarks"])
-    order = [b for b in BENCHMARK_TITLES if b in benches] + [b for b in benches if b not in BENCHMARK_TITLES]
+    order = ([b for b in BENCHMARK_TITLES if b in benches]
+             + [b for b in benches if b not in BENCHMARK_TITLES])
     pct = lambda x: "-" if x is None else f"{100 * x:.1f}"
     num = lambda x: "-" if x is None else f"{x:.2f}" if isinstance(x, float) else str(x)
-    titles = [BENCHMARK_TITLES.get(b, ("Other", b)) for b in order]  # (group, name); a group named once
-    groups = [f"**{g}**" if i == 0 or g != titles[i - 1][0] else "" for i, (g, _) in enumerate(titles)]
+    titles = [BENCHMARK_TITLES.get(b, ("Other", b)) for b in order]  # (group, name)
+    # a group is named over its first column only
+    groups = [f"**{g}**" if i == 0 or g != titles[i - 1][0] else ""
+              for i, (g, _) in enumerate(titles)]
+    headlines = " | ".join(pct(headline(summary["benchmarks"][b])) for b in order)
     lines = ["| | " + " | ".join(groups) + " |", "|---|" + "---|" * len(order),
              "| **Method** | " + " | ".join(f"**{t}**" for _, t in titles) + " |",
              "| *Agentic Reasoning* |" + " |" * len(order),
-             f"| {name} | " + " | ".join(pct(headline(summary["benchmarks"][b])) for b in order) + " |", ""]
-    cols = ["benchmark", "problems", "n", "avg@n", "pass@1", "pass@n", "maj@n", "calls/resp", "call ok", "turns",
-            "resp tok", "tok before 1st call", "tok/call", "finish"]
+             f"| {name} | " + headlines + " |", ""]
+    cols = ["benchmark", "problems", "n", "avg@n", "pass@1", "pass@n", "maj@n", "calls/resp",
+            "call ok", "turns", "resp tok", "tok before 1st call", "tok/call", "finish"]
     lines += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for b in order:
-        s, n = summary["benchmarks"][b], summary["benchmarks"][b]["n"]
+        s = summary["benchmarks"][b]
+        n = s["n"]
         t = s["tools"]
-        row = [b, s["problems"], n, pct(s[f"avg@{n}"]), pct(s.get("pass@1")), pct(s.get(f"pass@{n}")),
-               pct(s.get(f"maj@{n}")), num(t["tool_calls_per_response"]), pct(t["tool_call_success"]), num(t["turns"]),
-               num(t["response_tokens"]), num(t["tokens_before_first_call"]), num(t["tokens_per_call"]),
+        row = [b, s["problems"], n, pct(s[f"avg@{n}"]), pct(s.get("pass@1")),
+               pct(s.get(f"pass@{n}")), pct(s.get(f"maj@{n}")),
+               num(t["tool_calls_per_response"]), pct(t["tool_call_success"]), num(t["turns"]),
+               num(t["response_tokens"]), num(t["tokens_before_first_call"]),
+               num(t["tokens_per_call"]),
                ", ".join(f"{k} {100 * v:.0f}%" for k, v in t["finish_reasons"].items())]
         lines.append("| " + " | ".join(str(x) for x in row) + " |")
-    return "\n".join(lines + ["", "avg@n, pass@k, maj@k and call ok in %; LiveCodeBench's headline is pass@1."])
+    note = "avg@n, pass@k, maj@k and call ok in %; LiveCodeBench's headline is pass@1."
+    return "\n".join(lines + ["", note])
 
 
 HEAVY_KEYS = ("prompt_ids", "response_ids", "loss_mask", "logprobs", "text", "prompt")
@@ -501,11 +369,19 @@ def check_problem(p):
         return "field 'answer': missing"
     if p.get("system") is not None and not isinstance(p["system"], str):
         return "field 'system': not a string"
-    t = p.get("tests")
-    if p["kind"] == "code" and not (isinstance(t, dict) and isinstance(t.get("cases"), list) and (
-            t["cases"] or isinstance(t.get("test_code"), str) and isinstance(t.get("entry_point"), str))):
-        return "field 'tests': needs {'fn_name', 'cases': [{'input', 'output'}, ...]} or assert-style test_code"
+    if p["kind"] == "code" and not _known_tests(p.get("tests")):
+        return ("field 'tests': needs {'fn_name', 'cases': [{'input', 'output'}, ...]}"
+                " or assert-style test_code")
     return ""
+
+
+def _known_tests(t):
+    """A code problem's tests have one of the three shapes: a list of cases, empty only when
+    assert-style test_code and its entry_point come instead."""
+    if not (isinstance(t, dict) and isinstance(t.get("cases"), list)):
+        return False
+    assert_style = isinstance(t.get("test_code"), str) and isinstance(t.get("entry_point"), str)
+    return bool(t["cases"]) or assert_style
 
 
 def load_jsonl(path):
@@ -535,12 +411,15 @@ def with_uids(problems, default_benchmark="data"):
 
 def load_problems(cfg):
     names = [b.strip() for b in cfg.benchmarks.split(",") if b.strip()]
-    sources = [(None, cfg.data)] if cfg.data else [(b, os.path.join(cfg.data_dir, f"{b}.jsonl")) for b in names]
+    if cfg.data:
+        sources = [(None, cfg.data)]
+    else:
+        sources = [(b, os.path.join(cfg.data_dir, f"{b}.jsonl")) for b in names]
     problems = []
     for bench, path in sources:
         if not os.path.exists(path):
-            raise SystemExit(f"benchmark file {path} not found" + ("" if cfg.data else
-                             " (write it with: python data/prepare.py eval --out data)"))
+            hint = "" if cfg.data else " (write it with: python data/prepare.py eval --out data)"
+            raise SystemExit(f"benchmark file {path} not found" + hint)
         rows = with_uids([dict(p, benchmark=bench) if bench else p for p in load_jsonl(path)],
                          os.path.splitext(os.path.basename(path))[0])
         seen = Counter()
@@ -553,13 +432,16 @@ def load_problems(cfg):
 
 def grade_trajectory(problem, traj, cfg):
     """A trajectory dict plus what the summary needs, computed once and stored alongside."""
-    text, mask, calls = traj.get("text", ""), traj.get("loss_mask") or [], traj.get("tool_calls") or []
+    text = traj.get("text", "")
+    mask = traj.get("loss_mask") or []
+    calls = traj.get("tool_calls") or []
     s = score(problem, text, code_timeout=cfg.code_test_timeout)
-    return dict(traj, uid=problem["uid"], benchmark=problem["benchmark"], kind=problem["kind"], score=s,
-                correct=s >= 1.0, pred=extract_pred(problem, text), num_tool_calls=len(calls),
-                call_status=[c.get("status") for c in calls], response_tokens=len(traj.get("response_ids") or []),
-                sampled_tokens=sum(mask),
-                tokens_before_first_call=(mask.index(0) if 0 in mask else len(mask)) if calls else 0)
+    before = (mask.index(0) if 0 in mask else len(mask)) if calls else 0  # mask 0: a tool reply
+    return dict(traj, uid=problem["uid"], benchmark=problem["benchmark"], kind=problem["kind"],
+                score=s, correct=s >= 1.0, pred=extract_pred(problem, text),
+                num_tool_calls=len(calls), call_status=[c.get("status") for c in calls],
+                response_tokens=len(traj.get("response_ids") or []), sampled_tokens=sum(mask),
+                tokens_before_first_call=before)
 
 
 def light(rec):
@@ -578,14 +460,16 @@ def read_done(paths, n):
                 continue
             if isinstance(rec, dict) and "uid" in rec:
                 seen[rec["uid"]][rec["sample_index"]] = light(rec)
-    return {uid: [s[i] for i in range(n)] for uid, s in seen.items() if all(i in s for i in range(n))}
+    return {uid: [s[i] for i in range(n)] for uid, s in seen.items()
+            if all(i in s for i in range(n))}
 
 
 def evaluate(model, tokenizer, problems, cfg, out_dir=None, progress=True, engine=None):
     """Roll out, grade and summarise -> (this rank's records, summary). Each rank takes
     problems[rank::world]; all return the same summary. With out_dir, records are appended to
     out_dir/trajectories[.rankR].jsonl batch by batch and problems complete there are skipped.
-    engine: the rollout Engine to use (rl.py passes its own); else one made here serves every batch."""
+    engine: the rollout Engine to use (rl.py passes its own); else one made here serves every
+    batch."""
     import rollout
     import sandbox
     import torch
@@ -598,25 +482,32 @@ def evaluate(model, tokenizer, problems, cfg, out_dir=None, progress=True, engin
         os.makedirs(out_dir, exist_ok=True)
         done = read_done(sorted(glob.glob(os.path.join(out_dir, "trajectories*.jsonl"))), cfg.n)
     records = [r for p in mine if p["uid"] in done for r in done[p["uid"]]]
-    todo, bs = [p for p in mine if p["uid"] not in done], max(1, cfg.problems_per_batch)
+    todo = [p for p in mine if p["uid"] not in done]
+    bs = max(1, cfg.problems_per_batch)
     # the sampling and tool settings share their names; the seed goes per problem below
-    rcfg = rollout.RolloutConfig(**{f.name: getattr(cfg, f.name) for f in fields(rollout.RolloutConfig)
-                                    if f.name != "seed"})
+    rcfg = rollout.RolloutConfig(**{f.name: getattr(cfg, f.name)
+                                    for f in fields(rollout.RolloutConfig) if f.name != "seed"})
     if engine is None and todo:  # one pool for every batch, sized for the largest
-        engine = rollout.Engine(model, max_seq_lens=[cfg.max_prompt_tokens + cfg.max_response_tokens] * bs * cfg.n)
+        longest = cfg.max_prompt_tokens + cfg.max_response_tokens
+        engine = rollout.Engine(model, max_seq_lens=[longest] * bs * cfg.n)
     name = "trajectories.jsonl" if world == 1 else f"trajectories.rank{rank}.jsonl"
-    with (open(os.path.join(out_dir, name), "a", encoding="utf-8") if out_dir else nullcontext() as traj_file,
-          tqdm(total=len(todo), desc="eval", disable=not progress or rank != 0, unit="problem") as bar):
+    path = os.path.join(out_dir, name) if out_dir else None
+    quiet = not progress or rank != 0
+    with (open(path, "a", encoding="utf-8") if path else nullcontext() as traj_file,
+          tqdm(total=len(todo), desc="eval", disable=quiet, unit="problem") as bar):
         for start in range(0, len(todo), bs):
             batch = todo[start:start + bs]
             # a seed per problem from its uid: reruns, resumes and any rank split sample the same
             seeds = [(cfg.seed * 1_000_003 + zlib.crc32(p["uid"].encode())) % 2**31 for p in batch]
             with torch.no_grad():  # rl.py calls this with its training model
-                trajs = rollout.rollout(model, tokenizer, batch, rcfg, sandbox=sandbox, seeds=seeds, engine=engine)
-            new = [grade_trajectory(batch[t.problem_index], dict(t.to_dict(), prompt=tokenizer.decode(t.prompt_ids)),
-                                    cfg) for t in trajs]
+                trajs = rollout.rollout(model, tokenizer, batch, rcfg, sandbox=sandbox,
+                                        seeds=seeds, engine=engine)
+            new = [grade_trajectory(batch[t.problem_index],
+                                    dict(t.to_dict(), prompt=tokenizer.decode(t.prompt_ids)), cfg)
+                   for t in trajs]
             if traj_file:  # one write per batch, then fsync: a kill leaves at most one torn line
-                traj_file.write("".join(json.dumps(light(r) if cfg.filter_out else r) + "\n" for r in new))
+                kept = [light(r) if cfg.filter_out else r for r in new]
+                traj_file.write("".join(json.dumps(r) + "\n" for r in kept))
                 traj_file.flush()
                 os.fsync(traj_file.fileno())
             records += new
@@ -644,15 +535,16 @@ def write_filtered(problems, records, out_path):
                "easy" if rate >= 0.75 else "hard" if rate <= 0.25 else "medium")
         hist[tag] += 1
         if not tag.startswith("dropped"):
-            kept.append(dict({k: v for k, v in p.items() if k != "uid"}, pass_rate=rate, difficulty=tag))
+            row = {k: v for k, v in p.items() if k != "uid"}
+            kept.append(dict(row, pass_rate=rate, difficulty=tag))
     write_jsonl(out_path, kept)
-    histogram = {"problems": len(problems), "kept": len(kept), "difficulty": {t: hist[t] for t in (
-        "easy", "medium", "hard", "dropped_always_solved", "dropped_never_solved")}}
+    tags = ("easy", "medium", "hard", "dropped_always_solved", "dropped_never_solved")
+    histogram = {"problems": len(problems), "kept": len(kept),
+                 "difficulty": {t: hist[t] for t in tags}}
     with open(out_path + ".hist.json", "w") as f:
         json.dump(histogram, f, indent=2)
     print(f"kept {len(kept)} of {len(problems)} problems -> {out_path}: {histogram['difficulty']}")
     return histogram
-
 
 
 def parse_config(argv):
@@ -661,20 +553,23 @@ def parse_config(argv):
 
 
 def toy_arguments():
-    """`python evaluate.py` alone: the toy held-out set with the toy preset's settings (data/toy.py),
-    on the newest toy policy: the RL run's last checkpoint, else the SFT start it began from."""
+    """`python evaluate.py` alone: the toy held-out set with the toy preset's settings
+    (data/toy.py), on the newest toy policy: the RL run's last checkpoint, else the SFT start it
+    began from."""
     from data import toy
     toy.ensure()
     rl_final = os.path.join(toy.ROOT, "rl", "final")
     model = rl_final if os.path.exists(os.path.join(rl_final, "config.json")) else toy.sft_start()
     print(f"evaluate.py: the toy task, {model} on {toy.HELDOUT}")
-    return [f"--model={model}", f"--data={toy.HELDOUT}", f"--out={os.path.join(toy.ROOT, 'eval')}"] + \
-        [f"--{k}={v}" for k, v in toy.EVAL.items()]
+    out = os.path.join(toy.ROOT, "eval")
+    return ([f"--model={model}", f"--data={toy.HELDOUT}", f"--out={out}"]
+            + [f"--{k}={v}" for k, v in toy.EVAL.items()])
 
 
 def main(argv=None):
     import torch
-    from common import Metrics, distributed, print0, start_sandbox
+    from common import distributed, print0, start_sandbox
+    from runlog import Metrics
     from model import Transformer, attention_path
     from transformers import AutoTokenizer
     argv = sys.argv[1:] if argv is None else argv
@@ -684,15 +579,20 @@ def main(argv=None):
     with distributed() as (rank, world, device, _):
         problems = load_problems(cfg)
         start_sandbox(cfg.sandbox_workers, cfg.sandbox_require, rank)
-        out_dir = cfg.out or os.path.join("runs", "eval", os.path.basename(os.path.normpath(cfg.model)))
-        dtype = getattr(torch, cfg.dtype) if cfg.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+        model_name = os.path.basename(os.path.normpath(cfg.model))
+        out_dir = cfg.out or os.path.join("runs", "eval", model_name)
+        if cfg.dtype:
+            dtype = getattr(torch, cfg.dtype)
+        else:
+            dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         model = Transformer.from_pretrained(cfg.model, device=device, dtype=dtype).eval()
         model.attn_backend = cfg.attn_backend
         if device.type == "cuda" or cfg.attn_backend == "flash":
             print0(attention_path(cfg.attn_backend, device, dtype))
         metrics = Metrics(None, cfg, out_dir=out_dir)
         t0 = time.time()
-        records, summary = evaluate(model, AutoTokenizer.from_pretrained(cfg.model), problems, cfg, out_dir=out_dir)
+        tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+        records, summary = evaluate(model, tokenizer, problems, cfg, out_dir=out_dir)
         if cfg.filter_out:
             everyone = [None] * world
             torch.distributed.all_gather_object(everyone, [light(r) for r in records])
@@ -702,7 +602,7 @@ def main(argv=None):
             summary.update(config=asdict(cfg), model=cfg.model, seconds=time.time() - t0)
             with open(os.path.join(out_dir, "summary.json"), "w", encoding="utf-8") as f:
                 json.dump(summary, f, indent=2)
-            print(markdown_table(summary, os.path.basename(os.path.normpath(cfg.model))))
+            print(markdown_table(summary, model_name))
             print(f"\nwrote {out_dir}/summary.json and the trajectories beside it")
             metrics.log(step=0, overall=summary["overall"], benchmarks=summary["benchmarks"])
             metrics.finish(dict(overall=summary["overall"], seconds=summary["seconds"]))

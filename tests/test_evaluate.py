@@ -424,7 +424,7 @@ needs_pipeline = pytest.mark.skipif(not pipeline_ready(),
 
 
 @needs_pipeline
-def test_end_to_end_tiny_checkpoint(tiny_ckpt, tmp_path, capsys):
+def test_end_to_end_tiny_checkpoint(tiny_ckpt, tmp_path, capsys, one_rank_collectives):
     out = str(tmp_path / "eval")
     args = [f"--model={tiny_ckpt}", f"--data={BENCH4}", "--n=2", "--max_response_tokens=48",
             "--max_turns=2", f"--out={out}", "--tool_timeout=2", "--code_test_timeout=2"]
@@ -441,6 +441,7 @@ def test_end_to_end_tiny_checkpoint(tiny_ckpt, tmp_path, capsys):
     evaluate.main(args)
     again = json.load(open(os.path.join(out, "summary.json")))
     assert again["benchmarks"] == summary["benchmarks"]
+    assert one_rank_collectives == []
 
 
 @needs_pipeline
