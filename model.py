@@ -1,16 +1,19 @@
 """model.py: the Qwen2 / Qwen3 decoder in plain PyTorch, shared by the sampler and both trainers.
 
-RMSNorm, rotary embeddings, grouped-query attention, Qwen3's q/k RMSNorm, Qwen2's q/k/v biases, SwiGLU, tied
-or untied embeddings. q/k/v and gate/up are each one matmul (as vLLM fuses them); from_pretrained and
-save_pretrained convert from and to the Hugging Face names and config.json (as transformers 4.x or 5.x writes
-it), loading on the meta device and then tensor by tensor onto the target device and dtype. `token_logprobs`
-recomputes the logits chunk by chunk in backward: never full-vocabulary fp32 logits for a whole sequence.
-Packed input: input_ids [1, N] plus int32 cu_seqlens, attention inside each sequence (flash-attn varlen on CUDA
-in bf16/fp16, one SDPA call per sequence elsewhere). `kv_cache`: any object with attend(layer, q, k, v) -> out
-(rollout.py's paged cache). No departure from the paper's math. Where the paper samples with vLLM and trains
-with verl, this one module does both, with the same weights; the attention kernels differ (the sampler reads
-its paged cache, the trainer attends over packed sequences), so their log-probs agree to rounding, not bit for
-bit: rl.py logs the difference (mismatch_*). attention_path() says which kernels run here and why.
+RMSNorm, rotary embeddings, grouped-query attention, Qwen3's q/k RMSNorm, Qwen2's q/k/v biases,
+SwiGLU, tied or untied embeddings. q/k/v and gate/up are each one matmul (as vLLM fuses them);
+from_pretrained and save_pretrained convert from and to the Hugging Face names and config.json (as
+transformers 4.x or 5.x writes it), loading on the meta device and then tensor by tensor onto the
+target device and dtype. `token_logprobs` computes the logits a chunk of tokens at a time and, in
+backward, recomputes them a block of the vocabulary at a time: never full-vocabulary fp32 logits for
+a whole sequence. Packed input: input_ids [1, N] plus cu_seqlens (cu_seqlens_from_lengths),
+attention inside each sequence (flash-attn varlen where use_flash() picks it, by default on CUDA in
+bf16/fp16 when flash-attn imports; one SDPA call per sequence otherwise). `kv_cache`: any object
+with attend(layer, q, k, v) -> out (rollout.py's paged KV caches). No departure from the paper's
+math. Where the paper samples with vLLM and trains with verl, this one module does both, with the
+same weights; the attention kernels differ (the sampler reads its paged cache, the trainer attends
+over packed sequences), so their log-probs agree to rounding, not bit for bit: rl.py logs the
+difference (mismatch_*). attention_path() says which kernels run here and why.
 """
 
 import contextlib
@@ -25,7 +28,7 @@ import torch.nn.functional as F
 try:  # optional GPU kernels (rollout.py uses the paged-KV one)
     from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
     FLASH_ERROR = None
-except Exception as e:  # ImportError, or a broken CUDA build: said by attention_path(), never silently
+except Exception as e:  # ImportError or a broken CUDA build: never silent, attention_path() says it
     flash_attn_varlen_func = flash_attn_with_kvcache = None
     FLASH_ERROR = f"{type(e).__name__}: {e}"
 
@@ -63,13 +66,15 @@ class ModelConfig:
     def from_dict(cls, d, source="config.json"):
         d = dict(d)
         if d.get("model_type") not in ("qwen2", "qwen3"):
-            raise ValueError(f"{source}: model_type {d.get('model_type')!r} is not supported (expected qwen2 or qwen3)")
+            raise ValueError(f"{source}: model_type {d.get('model_type')!r} is not supported "
+                             "(expected qwen2 or qwen3)")
         rope = d.pop("rope_parameters", None) or {}       # 5.x
         scaling = d.pop("rope_scaling", None) or {}       # 4.x, with rope_theta at the top
         theta = rope.get("rope_theta", d.pop("rope_theta", 10000.0))
         rope_type = rope.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
         if rope_type != "default":
-            raise NotImplementedError(f"{source}: rope type {rope_type!r} is not implemented (only plain rotary)")
+            raise NotImplementedError(f"{source}: rope type {rope_type!r} is not implemented "
+                                      "(only plain rotary)")
         if d.get("use_sliding_window"):
             raise NotImplementedError(f"{source}: sliding-window attention is not implemented")
         dtype = d.pop("dtype", None) or d.pop("torch_dtype", None) or "bfloat16"
@@ -83,9 +88,11 @@ class ModelConfig:
     def to_dict(self):
         """config.json as both transformers 4.x and 5.x read it."""
         d = dict(self.extra)
-        d.update({f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("extra", "dtype")})
-        d.update(architectures=[{"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[self.model_type]],
-                 hidden_act="silu", torch_dtype=self.dtype, dtype=self.dtype, rope_scaling=None,
+        d.update({f.name: getattr(self, f.name) for f in fields(self)
+                  if f.name not in ("extra", "dtype")})
+        architecture = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[self.model_type]
+        d.update(architectures=[architecture], hidden_act="silu",
+                 torch_dtype=self.dtype, dtype=self.dtype, rope_scaling=None,
                  rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta})
         d.pop("layer_types", None)  # derived by transformers; stale if the layer count changed
         return d
@@ -97,44 +104,58 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x):  # normalised in fp32, the weight applied in the input dtype, as the reference
+    def forward(self, x):
+        # normalised in fp32, the weight applied in the input dtype, as the reference
         if x.dtype == torch.float32:  # the same values in one op
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
 def rope_cos_sin(positions, head_dim, theta, dtype):
-    """positions [B, T] -> cos, sin [B, T, 1, D]; sin carries the rotate-half sign (- on the first half)."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim)
-    freqs = positions[..., None].float() * inv_freq                                # [B, T, D/2]
+    """positions [B, T] -> cos, sin [B, T, 1, D];
+    sin carries the rotate-half sign (- on the first half)."""
+    exponents = torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim
+    inv_freq = 1.0 / theta ** exponents
+    freqs = positions[..., None].float() * inv_freq  # [B, T, D/2]
     cos, sin = freqs.cos(), freqs.sin()
-    return torch.cat([cos, cos], -1).to(dtype)[:, :, None], torch.cat([-sin, sin], -1).to(dtype)[:, :, None]
+    cos = torch.cat([cos, cos], -1).to(dtype)[:, :, None]
+    sin = torch.cat([-sin, sin], -1).to(dtype)[:, :, None]
+    return cos, sin
 
 
 def apply_rope(x, cos, sin):
-    # rotate-half: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin); roll gives (x2, x1), sin has the sign
+    # rotate-half: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin);
+    # roll gives (x2, x1), sin has the sign
     return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
 
 
 def use_flash(backend, device, dtype):
-    """Whether attention runs flash-attn: backend "flash" (an error without a working flash-attn), "sdpa",
-    or "auto" (flash-attn when it imports, on CUDA, in bf16/fp16)."""
+    """Whether attention runs flash-attn: backend "flash" (an error without a working flash-attn),
+    "sdpa", or "auto" (flash-attn when it imports, on CUDA, in bf16/fp16)."""
     if backend not in ("auto", "sdpa", "flash"):
         raise ValueError(f"attn_backend must be auto, sdpa or flash, not {backend!r}")
     if backend == "flash" and flash_attn_varlen_func is None:
         raise RuntimeError(f"attn_backend='flash' but flash-attn does not import: {FLASH_ERROR}")
-    return backend == "flash" or (backend == "auto" and flash_attn_varlen_func is not None
-                                  and torch.device(device).type == "cuda" and dtype in (torch.float16, torch.bfloat16))
+    if backend != "auto":
+        return backend == "flash"
+    return (flash_attn_varlen_func is not None and torch.device(device).type == "cuda"
+            and dtype in (torch.float16, torch.bfloat16))
 
 
 def attention_path(backend, device, dtype):
     """One line: which attention runs here and why (what the stages print once at start-up)."""
     if use_flash(backend, device, dtype):
-        return "attention: flash-attn (varlen training, paged KV decode in blocks of 256 with CUDA graphs)"
+        return ("attention: flash-attn (varlen training, paged KV decode in blocks of 256 "
+                "with CUDA graphs)")
     on_gpu = torch.device(device).type == "cuda" and dtype in (torch.float16, torch.bfloat16)
-    why = (f"attn_backend={backend}" if backend != "auto" else f"flash-attn does not import ({FLASH_ERROR})"
-           if on_gpu else f"flash-attn needs CUDA in bf16/fp16, here {torch.device(device).type} {dtype}")
-    return f"attention: torch SDPA, {why}; rollout KV blocks of 16, no CUDA graphs, half the KV budget for row buffers"
+    if backend != "auto":
+        why = f"attn_backend={backend}"
+    elif on_gpu:
+        why = f"flash-attn does not import ({FLASH_ERROR})"
+    else:
+        why = f"flash-attn needs CUDA in bf16/fp16, here {torch.device(device).type} {dtype}"
+    return (f"attention: torch SDPA, {why}; rollout KV blocks of 16, no CUDA graphs, "
+            "half the KV budget for row buffers")
 
 
 def attention(q, k, v, packed=None, backend="auto"):
@@ -142,39 +163,51 @@ def attention(q, k, v, packed=None, backend="auto"):
     (cu_seqlens on the device, the same boundaries as a host list, the longest sequence)."""
     B, T = q.shape[:2]
     if use_flash(backend, q.device, q.dtype):
-        cu, _, longest = packed or (torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=q.device), None, T)
-        out = flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu, cu, longest, longest,
-                                     causal=True)
+        if packed is None:  # each of the B rows one sequence of length T
+            cu = torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=q.device)
+            longest = T
+        else:
+            cu, _, longest = packed
+        out = flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1),
+                                     cu, cu, longest, longest, causal=True)
         return out.view(B, T, *out.shape[1:])
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))                                 # [B, H, T, D]
     if packed is None:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     else:  # one causal attention per packed sequence, never across them
         bounds = packed[1]
-        out = torch.cat([F.scaled_dot_product_attention(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], is_causal=True,
-                                                        enable_gqa=True) for s, e in zip(bounds, bounds[1:])], 2)
+        outs = [F.scaled_dot_product_attention(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e],
+                                               is_causal=True, enable_gqa=True)
+                for s, e in zip(bounds, bounds[1:])]
+        out = torch.cat(outs, 2)
     return out.transpose(1, 2)
 
 
 class Linear(nn.Linear):
-    """nn.Linear that multiplies by `weight_t`, a contiguous [in, out] copy of its weight, while one is set
-    (rollout.py sets them for its CPU steps): on CPU, where decode streams every weight from memory each
-    step, MKL runs x @ W^T from that layout without repacking W (8% of the rollout bench's wall time)."""
+    """nn.Linear that multiplies by `weight_t`, a contiguous [in, out] copy of its weight, while one
+    is set (rollout.py sets them for its CPU steps): on CPU, where decode streams every weight from
+    memory each step, MKL runs x @ W^T from that layout without repacking W (8% of the rollout
+    bench's wall time)."""
     weight_t = None
 
     def forward(self, x):
         if self.weight_t is None:
             return F.linear(x, self.weight, self.bias)
         flat = x.reshape(-1, x.shape[-1])
-        out = flat @ self.weight_t if self.bias is None else torch.addmm(self.bias, flat, self.weight_t)
+        if self.bias is None:
+            out = flat @ self.weight_t
+        else:
+            out = torch.addmm(self.bias, flat, self.weight_t)
         return out.view(*x.shape[:-1], out.shape[-1])
 
 
 def transposed_weights(module, old=None):
-    """{Linear in module: (version, contiguous [in, out] copy of its weight)}, for `transposed`; entries of
-    `old` whose weight is unchanged (same storage, same version counter) are reused, the others remade."""
+    """{Linear in module: (version, contiguous [in, out] copy of its weight)}, for `transposed`;
+    entries of `old` whose weight is unchanged (same storage, same version counter) are reused, the
+    others remade."""
     new = {}
-    for m in old or [m for m in module.modules() if isinstance(m, Linear)]:  # old: the same modules, no walk
+    # old holds the same modules: no walk of the module tree
+    for m in old or [m for m in module.modules() if isinstance(m, Linear)]:
         w = m.weight
         version = (w.data_ptr(), -1 if w.is_inference() else w._version)
         new[m] = old[m] if old and old[m][0] == version else (version, w.detach().t().contiguous())
@@ -197,8 +230,11 @@ class Attention(nn.Module):
     def __init__(self, cfg, layer_idx):
         super().__init__()
         self.layer_idx = layer_idx
-        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.qkv_proj = Linear(cfg.hidden_size, (self.n_heads + 2 * self.n_kv) * self.head_dim, bias=cfg.qkv_bias)
+        self.n_heads = cfg.num_attention_heads
+        self.n_kv = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        qkv_size = (self.n_heads + 2 * self.n_kv) * self.head_dim
+        self.qkv_proj = Linear(cfg.hidden_size, qkv_size, bias=cfg.qkv_bias)
         self.o_proj = Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
@@ -208,11 +244,16 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         qkv = self.qkv_proj(x).view(B, T, self.n_heads + 2 * self.n_kv, self.head_dim)
         qk, v = qkv.split([self.n_heads + self.n_kv, self.n_kv], dim=2)
-        if hasattr(self, "q_norm"):  # q and k heads normalised and rotated together: half the small ops
-            weight = torch.cat([self.q_norm.weight.expand(self.n_heads, -1), self.k_norm.weight.expand(self.n_kv, -1)])
+        # q and k heads normalised and rotated together: half the small ops
+        if hasattr(self, "q_norm"):
+            weight = torch.cat([self.q_norm.weight.expand(self.n_heads, -1),
+                                self.k_norm.weight.expand(self.n_kv, -1)])
             qk = weight * F.rms_norm(qk.float(), (self.head_dim,), eps=self.q_norm.eps).to(qk.dtype)
         q, k = apply_rope(qk, cos, sin).split([self.n_heads, self.n_kv], dim=2)
-        out = kv_cache.attend(self.layer_idx, q, k, v) if kv_cache is not None else attention(q, k, v, packed, backend)
+        if kv_cache is not None:
+            out = kv_cache.attend(self.layer_idx, q, k, v)
+        else:
+            out = attention(q, k, v, packed, backend)
         return self.o_proj(out.reshape(B, T, -1))
 
 
@@ -241,26 +282,30 @@ class Block(nn.Module):
 
 
 class _ChunkedLogprobs(torch.autograd.Function):
-    """log p(target) and entropy from hidden states, chunk of tokens by chunk, keeping only per-token results
-    (log p, log-sum-exp, entropy): never a full [N, V] fp32 logits tensor. Backward recomputes the logits one
-    block of the vocabulary at a time: each block of the weight gradient is one matmul (no cross-chunk rounding
-    in bf16), the hidden-state gradient is accumulated in fp32. Extra memory: a few fp32 blocks of `block_bytes`."""
+    """log p(target) and entropy from hidden states, chunk of tokens by chunk, keeping only
+    per-token results (log p, log-sum-exp, entropy): never a full [N, V] fp32 logits tensor.
+    Backward recomputes the logits one block of the vocabulary at a time: each block of the weight
+    gradient is one matmul (no cross-chunk rounding in bf16), the hidden-state gradient is
+    accumulated in fp32. Extra memory: a few fp32 blocks of `block_bytes`."""
 
     @staticmethod
     def forward(ctx, h, weight, targets, temperature, want_entropy, block_bytes):
-        N, V = h.shape[0], weight.shape[0]                           # h [N, D], weight [V, D], targets [N]
+        N, V = h.shape[0], weight.shape[0]          # h [N, D], weight [V, D], targets [N]
         logp = torch.empty(N, dtype=torch.float32, device=h.device)
-        lse, ent = torch.empty_like(logp), torch.zeros_like(logp)
+        lse = torch.empty_like(logp)
+        ent = torch.zeros_like(logp)
         chunk = max(1, block_bytes // (4 * V))
         for s in range(0, N, chunk):
             z = (h[s:s + chunk] @ weight.t()).float().div_(temperature)   # [c, V]
             lse[s:s + chunk] = torch.logsumexp(z, dim=-1)
-            logp[s:s + chunk] = z.gather(1, targets[s:s + chunk, None]).squeeze(1) - lse[s:s + chunk]
+            z_target = z.gather(1, targets[s:s + chunk, None]).squeeze(1)
+            logp[s:s + chunk] = z_target - lse[s:s + chunk]
             if want_entropy:                                         # H = lse - sum p z
                 ent[s:s + chunk] = lse[s:s + chunk] - (torch.softmax(z, -1) * z).sum(-1)
         ctx.save_for_backward(h, weight, targets, lse, ent)
         ctx.temperature, ctx.block_bytes = temperature, block_bytes
-        ctx.set_materialize_grads(False)  # an output nobody differentiates gets None, not a tensor of zeros
+        # an output nobody differentiates gets None in backward, not a tensor of zeros
+        ctx.set_materialize_grads(False)
         return logp, ent
 
     @staticmethod
@@ -270,7 +315,10 @@ class _ChunkedLogprobs(torch.autograd.Function):
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_h = torch.zeros(h.shape, dtype=torch.float32, device=h.device) if need_h else None
         grad_w = torch.empty_like(weight) if need_w else None
-        g_logp = torch.zeros(N, 1, device=h.device) if g_logp is None else g_logp.float()[:, None]   # [N, 1]
+        if g_logp is None:
+            g_logp = torch.zeros(N, 1, device=h.device)
+        else:
+            g_logp = g_logp.float()[:, None]                             # [N, 1]
         g_ent = None if g_ent is None else g_ent.float()[:, None]
         cols = max(1, ctx.block_bytes // (4 * N))
         for c in range(0, V, cols):
@@ -278,10 +326,14 @@ class _ChunkedLogprobs(torch.autograd.Function):
             logp_all = (h @ w.t()).float().div_(ctx.temperature).sub_(lse[:, None])   # [N, Vc]
             p = logp_all.exp()
             # d log p[target] / dz = onehot - p;  dH / dz = -p (log p + H)
-            gz = logp_all.add_(ent[:, None]).mul_(-g_ent).sub_(g_logp).mul_(p) if g_ent is not None else p.mul_(-g_logp)
-            # + g_logp at each row's target if it falls in this block (a masked scatter: no host sync)
+            if g_ent is not None:
+                gz = logp_all.add_(ent[:, None]).mul_(-g_ent).sub_(g_logp).mul_(p)
+            else:
+                gz = p.mul_(-g_logp)
+            # + g_logp at each row's target if in this block (a masked scatter: no host sync)
             inside = (targets >= c) & (targets < c + w.shape[0])
-            gz.scatter_add_(1, (targets - c).clamp(0, w.shape[0] - 1)[:, None], g_logp * inside[:, None])
+            index = (targets - c).clamp(0, w.shape[0] - 1)[:, None]
+            gz.scatter_add_(1, index, g_logp * inside[:, None])
             gz = gz.div_(ctx.temperature).to(weight.dtype)
             if need_h:
                 grad_h += (gz @ w).float()
@@ -326,34 +378,41 @@ class Transformer(nn.Module):
         recompute = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
         for layer in self.model.layers:
             args = (x, cos, sin, packed, kv_cache, self.attn_backend)
-            x = torch.utils.checkpoint.checkpoint(layer, *args, use_reentrant=False) if recompute else layer(*args)
+            if recompute:
+                x = torch.utils.checkpoint.checkpoint(layer, *args, use_reentrant=False)
+            else:
+                x = layer(*args)
         return self.model.norm(x)
 
     def rope(self, positions, dtype):
-        """rope_cos_sin(positions). On CPU indexed from a table of the first 2^k positions (remade when a position
-        passes its end) instead of recomputed every decode step; on CUDA, and when compiled, computed: no host read."""
+        """rope_cos_sin(positions). On CPU indexed from a table of the first 2^k positions (remade
+        when a position passes its end, or for another dtype) instead of recomputed every decode
+        step; on CUDA, and when compiled, computed: no host read."""
         cfg = self.config
         if positions.is_cuda or torch.compiler.is_compiling():
             return rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, dtype)
         n = int(positions.max()) + 1
         table = self.__dict__.get("_rope_table")
         if table is None or table[0].shape[1] < n or table[0].dtype != dtype:
-            table = rope_cos_sin(torch.arange(1 << (n - 1).bit_length())[None], cfg.head_dim, cfg.rope_theta, dtype)
-            self.__dict__["_rope_table"] = table  # a plain attribute: no state_dict entry, not moved by .to()
+            size = 1 << (n - 1).bit_length()  # the smallest power of two >= n
+            table = rope_cos_sin(torch.arange(size)[None], cfg.head_dim, cfg.rope_theta, dtype)
+            # a plain attribute: no state_dict entry, not moved by .to()
+            self.__dict__["_rope_table"] = table
         return table[0][0, positions], table[1][0, positions]
 
     def forward(self, input_ids, positions=None, cu_seqlens=None, kv_cache=None):
         """input_ids [B, T] -> logits [B, T, V] (model dtype)."""
         return self.lm_head(self.hidden(input_ids, positions, cu_seqlens, kv_cache))
 
-    def token_logprobs(self, input_ids, targets, positions=None, cu_seqlens=None, return_entropy=False,
-                       temperature=1.0, block_bytes=2**27):
+    def token_logprobs(self, input_ids, targets, positions=None, cu_seqlens=None,
+                       return_entropy=False, temperature=1.0, block_bytes=2**27):
         """log p(targets[:, t] | input_ids[:, :t+1]) as fp32 [B, T] (and the entropy of each
         position's distribution [B, T]); extra memory a few fp32 blocks of block_bytes (128 MB)."""
         h = self.hidden(input_ids, positions, cu_seqlens)
         B, T, D = h.shape
-        logp, ent = _ChunkedLogprobs.apply(h.reshape(B * T, D), self.lm_head.weight, targets.reshape(B * T),
-                                           float(temperature), bool(return_entropy), int(block_bytes))
+        logp, ent = _ChunkedLogprobs.apply(h.reshape(B * T, D), self.lm_head.weight,
+                                           targets.reshape(B * T), float(temperature),
+                                           bool(return_entropy), int(block_bytes))
         return (logp.view(B, T), ent.view(B, T)) if return_entropy else logp.view(B, T)
 
     def num_params(self):
@@ -378,15 +437,17 @@ class Transformer(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path, device=None, dtype=None):
-        """An HF checkpoint directory. dtype None: float32 on CPU, the checkpoint's dtype on CUDA."""
+        """An HF checkpoint directory. dtype None: float32 on CPU, elsewhere the checkpoint's."""
         from safetensors import safe_open
         device = torch.device(device or "cpu")
         cfg_path = os.path.join(path, "config.json")
         if not os.path.exists(cfg_path):
-            raise FileNotFoundError(f"{path}: no config.json (expected a Hugging Face checkpoint directory)")
+            raise FileNotFoundError(f"{path}: no config.json "
+                                    "(expected a Hugging Face checkpoint directory)")
         with open(cfg_path) as f:
             config = ModelConfig.from_dict(json.load(f), source=cfg_path)
-        dtype = dtype or (torch.float32 if device.type == "cpu" else DTYPES.get(config.dtype, torch.bfloat16))
+        stored = DTYPES.get(config.dtype, torch.bfloat16)
+        dtype = dtype or (torch.float32 if device.type == "cpu" else stored)
         with torch.device("meta"):
             model = cls(config)
         state = {}
@@ -395,45 +456,56 @@ class Transformer(nn.Module):
                 state.update({k: f.get_tensor(k).to(dtype=dtype) for k in f.keys()})
         if config.tie_word_embeddings:
             state.pop("lm_head.weight", None)
-        for key in [k for k in state if ".q_proj." in k or ".gate_proj." in k]:  # HF names -> the fused tensors
+        # HF names -> the fused tensors
+        for key in [k for k in state if ".q_proj." in k or ".gate_proj." in k]:
             prefix, name, kind = key.rsplit(".", 2)
             fused = next(f for f, parts in FUSED.items() if parts[0] == name)
-            state[f"{prefix}.{fused}.{kind}"] = torch.cat([state.pop(f"{prefix}.{p}.{kind}") for p in FUSED[fused]])
+            pieces = [state.pop(f"{prefix}.{p}.{kind}") for p in FUSED[fused]]
+            state[f"{prefix}.{fused}.{kind}"] = torch.cat(pieces)
         expected = {k for k, _ in model.named_parameters()}
         missing, unexpected = expected - state.keys(), state.keys() - expected
         if missing or unexpected:
-            raise ValueError(f"{path}: checkpoint does not match the config: missing {sorted(missing)[:5]}, "
-                             f"unexpected {sorted(unexpected)[:5]}")
+            raise ValueError(f"{path}: checkpoint does not match the config: "
+                             f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
         model.load_state_dict(state, strict=False, assign=True)
         model.tie_weights()
         return model.eval()
 
     def save_pretrained(self, path, max_shard_bytes=5 * 2**30):
-        """config.json + safetensors with HF names, sharded (with an index) above max_shard_bytes."""
+        """config.json + HF-named safetensors, sharded (with an index) above max_shard_bytes."""
         from safetensors.torch import save_file
         os.makedirs(path, exist_ok=True)
         cfg = self.config
         state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
-        sizes = {"qkv_proj": [cfg.num_attention_heads * cfg.head_dim] + [cfg.num_key_value_heads * cfg.head_dim] * 2,
+        q_size = cfg.num_attention_heads * cfg.head_dim
+        kv_size = cfg.num_key_value_heads * cfg.head_dim
+        sizes = {"qkv_proj": [q_size, kv_size, kv_size],
                  "gate_up_proj": [cfg.intermediate_size] * 2}
-        for key in [k for k in state if k.rsplit(".", 2)[-2] in FUSED]:  # the fused tensors -> HF names (views)
+        # the fused tensors -> HF names (views)
+        for key in [k for k in state if k.rsplit(".", 2)[-2] in FUSED]:
             prefix, fused, kind = key.rsplit(".", 2)
             for name, part in zip(FUSED[fused], state.pop(key).split(sizes[fused])):
                 state[f"{prefix}.{name}.{kind}"] = part.contiguous()
         if cfg.tie_word_embeddings:
             state.pop("lm_head.weight", None)
         dtype_name = {v: k for k, v in DTYPES.items()}[next(iter(state.values())).dtype]
-        shards, size = [{}], 0
-        for key, t in state.items():  # a new shard when this tensor would take the current one past the limit
+        shards = [{}]
+        size = 0  # bytes in the last shard
+        for key, t in state.items():
+            # a new shard when this tensor would take the current one past the limit
             if shards[-1] and size + t.nbytes > max_shard_bytes:
                 shards.append({})
                 size = 0
-            shards[-1][key], size = t, size + t.nbytes
-        for stale in os.listdir(path):  # a re-save with another shard count must not leave old shards
+            shards[-1][key] = t
+            size += t.nbytes
+        for stale in os.listdir(path):  # a re-save with another shard count must not leave old ones
             if stale.startswith("model") and stale.endswith((".safetensors", ".index.json")):
                 os.remove(os.path.join(path, stale))
-        names = ["model.safetensors"] if len(shards) == 1 else \
-            [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+        count = len(shards)
+        if count == 1:
+            names = ["model.safetensors"]
+        else:
+            names = [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
         for name, shard in zip(names, shards):
             save_file(shard, os.path.join(path, name), metadata={"format": "pt"})
         if len(shards) > 1:
@@ -457,4 +529,5 @@ def checkpoint_files(path):
 
 def cu_seqlens_from_lengths(lengths, device=None):
     """[len0, len1, ...] -> int32 cumulative boundaries [0, len0, len0 + len1, ...]."""
-    return torch.tensor([0] + list(lengths), dtype=torch.int32, device=device).cumsum(0, dtype=torch.int32)
+    counts = torch.tensor([0] + list(lengths), dtype=torch.int32, device=device)
+    return counts.cumsum(0, dtype=torch.int32)
