@@ -5,12 +5,13 @@ code-tool calls in the sandbox, replies fed back), graded by evaluate.py, reward
 fraction of tests for code, the capped tool bonus for wrong answers, DAPO's overlong penalty),
 normalised within each problem's group (GRPO), old log-probs recomputed by the training forward,
 then PPO updates on mini-batches of 16 problems with the loss written out below: clip-higher,
-dual clip, token-mean over every response token of the mini-batch. The sampler runs the trained
-module itself (no copy into an inference engine; under FSDP2 each rank gathers the full weights
-once per rollout). Metrics to out_dir/metrics.jsonl (and wandb), kept trajectories to
-out_dir/trajectories, checkpoints (Hugging Face dirs plus exact resume state) to out_dir/step_NNNNNN.
+dual clip, the token mean over the mini-batch's sampled response tokens (loss mask 1; forced
+tool-reply tokens never count). The sampler runs the trained module itself (no copy into an
+inference engine; under FSDP2 each rank gathers the full weights once per rollout). Metrics to
+out_dir/metrics.jsonl (and wandb), kept trajectories to out_dir/trajectories, checkpoints (Hugging
+Face dirs plus exact resume state) to out_dir/step_NNNNNN.
 
-    python rl.py                                     # the toy preset: the CPU demo, ~1.5 min
+    python rl.py                                     # the toy preset: the CPU demo
     python rl.py --model DIR --data problems.jsonl --steps 10
     torchrun --standalone --nproc_per_node 8 rl.py -- --model Gen-Verse/Qwen3-4B-RA-SFT \\
         --data data/rl.jsonl --eval_data data/eval/aime25.jsonl --out_dir runs/grpo_tcr
@@ -26,7 +27,6 @@ Departures from the paper's run (verl + SGLang):
 """
 
 import ast
-import gzip
 import json
 import math
 import os
@@ -45,15 +45,17 @@ import torch.distributed as dist
 import evaluate
 import rollout
 import sandbox
+from checkpoint import check_resume, latest_resumable, load_checkpoint, save_checkpoint
+from common import (all_gather_list, all_reduce, barrier, build_model, clip_grads, compute_dtype,
+                    distributed, is_fsdp, parse_config, print0, resolve_model, start_sandbox)
 from data import toy
-from common import Metrics, build_model, check_resume, clip_grads, compute_dtype, distributed, is_fsdp, \
-    latest_resumable, load_checkpoint, parse_config, print0, resolve_model, save_checkpoint, start_sandbox
 from model import DTYPES, attention_path
+from runlog import Metrics, learning_curve, write_trajectories
 
 
 @dataclass
-class Config:  # defaults: the paper's recipe (docs/DESIGN.md: the source of each; Open-AgentRL recipe/demystify)
-    model: str = "Gen-Verse/Qwen3-4B-RA-SFT"  # HF dir or hub id; "toy": the toy SFT start (data/toy.py)
+class Config:  # defaults: the paper's recipe (docs/DESIGN.md: the source of each)
+    model: str = "Gen-Verse/Qwen3-4B-RA-SFT"  # HF dir or hub id; "toy": the toy SFT start
     data: str = "data/rl.jsonl"
     eval_data: str = ""            # held-out problems ("": no evaluation)
     out_dir: str = "runs/rl"
@@ -66,7 +68,7 @@ class Config:  # defaults: the paper's recipe (docs/DESIGN.md: the source of eac
     samples_per_prompt: int = 16   # the GRPO group size
     mini_batch_prompts: int = 16   # one optimizer step per 16 problems: 4 per batch
     ppo_epochs: int = 1
-    micro_batch_tokens: int = 23040          # packed tokens per forward/backward (prompt + response budget)
+    micro_batch_tokens: int = 23040          # packed tokens per forward/backward
     logprob_micro_batch_tokens: int = 92160  # the same for the no-grad log-prob passes
     lr: float = 1e-6               # constant
     weight_decay: float = 0.01
@@ -82,7 +84,7 @@ class Config:  # defaults: the paper's recipe (docs/DESIGN.md: the source of eac
     kl_coef: float = 0.0           # KL to the frozen start policy (none in the recipe)
     tis_cap: float = 0.0           # truncated importance sampling towards the sampler (0: off)
     adv_eps: float = 1e-6
-    tool_bonus: bool = True        # wrong answers: min(tool_bonus_cap, r + tool_bonus_per_turn x tool turns)
+    tool_bonus: bool = True        # wrong answers: min(cap, r + per_turn x tool turns)
     tool_bonus_per_turn: float = 0.1
     tool_bonus_cap: float = -0.6
     overlong: bool = True          # DAPO's soft overlong punishment
@@ -101,9 +103,9 @@ class Config:  # defaults: the paper's recipe (docs/DESIGN.md: the source of eac
     tool_output_chars: int = 256
     tool_timeout: float = 10.0
     tool_memory_mb: int = 1024
-    sandbox_workers: int = 0       # sandbox processes of this rank (0: its share of the cores, LOCAL_WORLD_SIZE)
-    sandbox_require: str = "floor"  # floor: every layer the machine grants | all: refuse to start without each one
-    enable_thinking: str = "default"  # the chat template's switch (Qwen3 hybrid): default (its own) | true | false
+    sandbox_workers: int = 0       # this rank's sandbox processes (0: its share of the cores)
+    sandbox_require: str = "floor"  # floor: the layers the machine grants | all: every layer
+    enable_thinking: str = "default"  # the template's switch (Qwen3 hybrid): default|true|false
     eval_every: int = 10           # steps (0: only before and after training)
     eval_n: int = 32
     eval_temperature: float = 1.0
@@ -113,21 +115,22 @@ class Config:  # defaults: the paper's recipe (docs/DESIGN.md: the source of eac
     keep_checkpoints: int = 1      # newest checkpoints that keep their resume state
     log_samples: int = 1           # trajectories printed per step
     activation_checkpointing: bool = True
-    attn_backend: str = "auto"     # auto (flash-attn where it imports, on CUDA) | sdpa | flash (an error without it)
-    kv_memory_utilization: float = 0.9  # CUDA: share of the GPU the KV pool may fill up to, the trainer's peak counted
-    save_dtype: str = "auto"       # saved HF weights: "auto" (the base checkpoint's) | float32 | bfloat16
-    save_trajectories: int = 1     # whole groups kept per step in out_dir/trajectories/step_NNNNNN.jsonl.gz (0: none)
+    attn_backend: str = "auto"     # auto (flash-attn if it imports, CUDA) | sdpa | flash
+    kv_memory_utilization: float = 0.9  # CUDA: share of the GPU the KV pool and trainer may fill
+    save_dtype: str = "auto"       # saved HF weights: auto (the base's) | float32 | bfloat16
+    save_trajectories: int = 1     # whole groups kept per step in out_dir/trajectories (0: none)
     wandb_project: str = ""        # log to Weights & Biases under this project ("": off)
     wandb_run: str = ""            # the wandb run's name ("": wandb's own)
 
 
 # `python rl.py`: the toy tool-use task (data/toy.py) from the shipped SFT start, on a laptop CPU
-TOY = dict(model="toy", data=toy.TRAIN, eval_data=toy.HELDOUT, out_dir=os.path.join(toy.ROOT, "rl"), epochs=1,
-           steps=20, prompts_per_step=8, samples_per_prompt=8, mini_batch_prompts=4, micro_batch_tokens=8192,
-           logprob_micro_batch_tokens=16384, lr=1e-4, overlong_buffer=96, eval_every=0, save_every=10,
-           activation_checkpointing=False, eval_n=toy.EVAL["n"], eval_temperature=toy.EVAL["temperature"],
-           eval_top_p=toy.EVAL["top_p"], **toy.LIMITS)
-RESUME_FIELDS = ("data", "seed", "epochs", "steps", "prompts_per_step", "samples_per_prompt", "mini_batch_prompts")
+TOY = dict(model="toy", data=toy.TRAIN, eval_data=toy.HELDOUT, out_dir=os.path.join(toy.ROOT, "rl"),
+           epochs=1, steps=20, prompts_per_step=8, samples_per_prompt=8, mini_batch_prompts=4,
+           micro_batch_tokens=8192, logprob_micro_batch_tokens=16384, lr=1e-4, overlong_buffer=96,
+           eval_every=0, save_every=10, activation_checkpointing=False, eval_n=toy.EVAL["n"],
+           eval_temperature=toy.EVAL["temperature"], eval_top_p=toy.EVAL["top_p"], **toy.LIMITS)
+RESUME_FIELDS = ("data", "seed", "epochs", "steps", "prompts_per_step", "samples_per_prompt",
+                 "mini_batch_prompts")
 
 
 def parse_args(argv):
@@ -152,7 +155,8 @@ def overlong_penalty(length, max_len=20480, buffer=4096, factor=1.0):
     to -factor at max_len."""
     if buffer <= 0:
         return 0.0
-    return min(-(length - (max_len - buffer)) / buffer * factor, 0.0) + 0.0  # + 0.0: never -0.0
+    over = length - (max_len - buffer)
+    return min(-over / buffer * factor, 0.0) + 0.0  # + 0.0: never -0.0
 
 
 def correctness_reward(kind, score, has_program=True):
@@ -163,8 +167,8 @@ def correctness_reward(kind, score, has_program=True):
 
 
 def tool_turns(calls):
-    """The assistant turns that called a tool: turns with a call that was run (a malformed one, status
-    bad_call, does not count); several calls in one turn count once."""
+    """The assistant turns that called a tool: turns with a call that was run (a malformed one,
+    status bad_call, does not count); several calls in one turn count once."""
     return len({c["turn"] for c in calls if c["status"] != "bad_call"})
 
 
@@ -175,35 +179,39 @@ def shape_reward(correctness, turns, length, cfg):
 
     A wrong answer is one whose correctness is negative (-1: a wrong math or choice answer, a code
     answer without a program; partial code credit is not wrong). verl's num_turns counts the
-    conversation's messages (the user's, each assistant turn, each tool reply), so (num_turns - 2) / 2
-    is the number of tool turns (`tool_turns`): trying the tool pays, but never as much as a right
-    answer. Then DAPO's overlong penalty on the response length, forced tool-reply tokens included."""
+    conversation's messages (the user's, each assistant turn, each tool reply), so
+    (num_turns - 2) / 2 is the number of tool turns (`tool_turns`): trying the tool pays, but never
+    as much as a right answer. Then DAPO's overlong penalty on the response length, forced
+    tool-reply tokens included."""
     r = correctness
     if cfg.tool_bonus and r < 0:
         r = min(cfg.tool_bonus_cap, r + cfg.tool_bonus_per_turn * turns)
     if cfg.overlong:
-        r += overlong_penalty(length, cfg.max_response_tokens, cfg.overlong_buffer, cfg.overlong_factor)
+        r += overlong_penalty(length, cfg.max_response_tokens, cfg.overlong_buffer,
+                              cfg.overlong_factor)
     return r
 
 
 def aggregate(per_token, mask, agg, num_tokens, seq_ids=None, num_seqs=None):
     """token-mean: the sum over every masked token / num_tokens (the mini-batch's count over all
     micro-batches and ranks, so the parts add up to the whole); seq-mean-token-mean: each
-    sequence's token mean (seq_ids [B, T], default the rows), summed, / num_seqs (train() checks agg)."""
+    sequence's token mean (seq_ids [B, T], default the rows), summed, / num_seqs."""
     if agg == "token-mean":
         return (per_token * mask).sum() / num_tokens
     if seq_ids is None:
         seq_ids = torch.arange(mask.shape[0], device=mask.device)[:, None].expand_as(mask)
     S, flat = int(seq_ids.max()) + 1, seq_ids.reshape(-1)
-    tok_sum = torch.zeros(S, dtype=per_token.dtype, device=mask.device).index_add(0, flat,
-                                                                                   (per_token * mask).reshape(-1))
-    tok_cnt = torch.zeros(S, dtype=mask.dtype, device=mask.device).index_add(0, flat, mask.reshape(-1))
+    tok_sum = torch.zeros(S, dtype=per_token.dtype, device=mask.device)
+    tok_sum = tok_sum.index_add(0, flat, (per_token * mask).reshape(-1))               # [S]
+    tok_cnt = torch.zeros(S, dtype=mask.dtype, device=mask.device)
+    tok_cnt = tok_cnt.index_add(0, flat, mask.reshape(-1))                              # [S]
     num_seqs = int((tok_cnt > 0).sum()) if num_seqs is None else num_seqs
     return (tok_sum / tok_cnt.clamp(min=1)).sum() / max(num_seqs, 1)
 
 
-def grpo_tcr_loss(logprobs, old_logprobs, advantages, mask, clip_low=0.2, clip_high=0.315, clip_c=10.0,
-                  num_tokens=None, *, agg="token-mean", seq_ids=None, num_seqs=None, is_weights=None, entropy=None):
+def grpo_tcr_loss(logprobs, old_logprobs, advantages, mask, clip_low=0.2, clip_high=0.315,
+                  clip_c=10.0, num_tokens=None, *, agg="token-mean", seq_ids=None, num_seqs=None,
+                  is_weights=None, entropy=None):
     """The GRPO-TCR policy loss. logprobs, old_logprobs, mask [B, T] (packed: [1, N]); advantages
     broadcast to them. num_tokens: the mask count of the whole mini-batch (None: this mask's).
     is_weights: per-token truncated-IS weights; entropy: per-token entropy, for the stats.
@@ -211,10 +219,12 @@ def grpo_tcr_loss(logprobs, old_logprobs, advantages, mask, clip_low=0.2, clip_h
     mask = mask.to(logprobs.dtype)
     num_tokens = max(float(mask.sum() if num_tokens is None else num_tokens), 1.0)
     A = advantages
-    log_ratio = (logprobs - old_logprobs).clamp(-20.0, 20.0)   # as verl: exp never overflows, 0 * inf never NaN
+    # clamped as verl: exp never overflows, 0 * inf never NaN
+    log_ratio = (logprobs - old_logprobs).clamp(-20.0, 20.0)
     ratio = torch.exp(log_ratio)                                                       # [B, T]
-    per_token = torch.maximum(-A * ratio, -A * ratio.clamp(1 - clip_low, 1 + clip_high))  # the pessimistic one
-    per_token = torch.where(A < 0, torch.minimum(per_token, -A * clip_c), per_token)     # dual clip: -A r <= -A c
+    clipped = ratio.clamp(1 - clip_low, 1 + clip_high)
+    per_token = torch.maximum(-A * ratio, -A * clipped)           # the pessimistic of the two
+    per_token = torch.where(A < 0, torch.minimum(per_token, -A * clip_c), per_token)  # dual clip
     if is_weights is not None:
         per_token = per_token * is_weights
     loss = aggregate(per_token, mask, agg, num_tokens, seq_ids, num_seqs)
@@ -224,7 +234,7 @@ def grpo_tcr_loss(logprobs, old_logprobs, advantages, mask, clip_low=0.2, clip_h
         stats = {"clip_high": share((A_b > 0) & (ratio > 1 + clip_high)),
                  "clip_low": share((A_b < 0) & (ratio < 1 - clip_low)),
                  "clip_dual": share((A_b < 0) & (ratio > clip_c)),
-                 "approx_kl": share((ratio - 1) - log_ratio)}   # k3 estimate of KL(old || new), >= 0
+                 "approx_kl": share((ratio - 1) - log_ratio)}   # k3 of KL(old || new), >= 0
         if entropy is not None:
             stats["entropy"] = share(entropy)
     return loss, stats
@@ -247,8 +257,8 @@ def drop_overlong(problems, tokenizer, rcfg, max_tokens, path):
     chat = rollout.chat_format(tokenizer, rcfg)  # the prompt exactly as the rollout renders it
     kept = [p for p in problems if len(chat.prompt_ids(p["prompt"], p.get("system"))) <= max_tokens]
     if len(kept) < len(problems):
-        print0(f"{path}: dropped {len(problems) - len(kept)} of {len(problems)} problems with prompts over "
-               f"{max_tokens} tokens")
+        print0(f"{path}: dropped {len(problems) - len(kept)} of {len(problems)} problems with "
+               f"prompts over {max_tokens} tokens")
     if not kept:
         raise SystemExit(f"{path}: every prompt is over max_prompt_tokens={max_tokens}")
     return kept
@@ -260,7 +270,8 @@ def batch_indices(step, batch, num_problems, seed):
     out, pos = [], step * batch
     while len(out) < batch:
         epoch, offset = divmod(pos, num_problems)
-        perm = torch.randperm(num_problems, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
+        generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+        perm = torch.randperm(num_problems, generator=generator)
         take = perm[offset:offset + batch - len(out)].tolist()
         out, pos = out + take, pos + len(take)
     return out
@@ -272,7 +283,258 @@ def problem_seed(seed, step, position):
     return zlib.crc32(f"rl:{seed}:{step}:{position}".encode()) % 2**31
 
 
-# ---------------------------------------------------------------- distributed helpers
+# ---------------------------------------------------------------- the loop
+@dataclass
+class Run:
+    """What the loop works with, built once by setup()."""
+    cfg: Config
+    rank: int
+    world: int
+    device: torch.device
+    path: str                  # the starting model's directory
+    tokenizer: object
+    rcfg: rollout.RolloutConfig
+    problems: list
+    eval_problems: list
+    steps: int
+    start: int                 # the first step to run (> 0 after a resume)
+    evals: dict                # held-out results: "before", "last", "after"
+    model: torch.nn.Module
+    ref: torch.nn.Module       # the frozen start policy (kl_coef > 0), else None
+    opt: torch.optim.Optimizer
+    engine: rollout.Engine
+    metrics: Metrics
+    sandbox: "TimedSandbox"
+
+
+def train(cfg):
+    """Run GRPO-TCR as configured; returns the summary dict (also out_dir/summary.json)."""
+    if cfg.prompts_per_step % cfg.mini_batch_prompts:
+        raise SystemExit("prompts_per_step must be a multiple of mini_batch_prompts")
+    if cfg.loss_agg not in ("token-mean", "seq-mean-token-mean"):
+        raise SystemExit(f"--loss_agg {cfg.loss_agg!r}: expected token-mean or "
+                         f"seq-mean-token-mean")
+    with distributed() as (rank, world, device, sharded):
+        if cfg.mini_batch_prompts % world:
+            raise SystemExit(f"mini_batch_prompts ({cfg.mini_batch_prompts}) must be a multiple "
+                             f"of the number of processes ({world}), so every rank holds part "
+                             f"of every mini-batch")
+        if cfg.model == "toy":  # the toy preset: its problem files, and the SFT start
+            if rank == 0:
+                toy.ensure()
+            barrier()
+            cfg.model = toy.sft_start()
+        return _train(cfg, rank, world, device, sharded)
+
+
+def _train(cfg, rank, world, device, sharded):
+    run = setup(cfg, rank, world, device, sharded)
+    for step in range(run.start, run.steps):
+        t_step, times, memory = time.time(), {}, {}
+        batch_ids = batch_indices(step, cfg.prompts_per_step, len(run.problems), cfg.seed)
+        batch = [run.problems[i] for i in batch_ids]
+        mine = list(range(rank, len(batch), world))  # this rank's problems: every world-th
+        with phase("rollout", times, memory, device):
+            trajs = rollout_phase(run, step, batch, mine)
+        times["sandbox"] = run.sandbox.seconds
+        with phase("score", times, memory, device):
+            samples = score_phase(run, batch, mine, trajs)
+            advantages_phase(samples, cfg)
+        everyone, groups, kept = share_rewards(samples, cfg)
+        with phase("old_logprob", times, memory, device):
+            old_logprobs_phase(run, samples)
+        with phase("update", times, memory, device):
+            updates = update_phase(run, step, samples, kept)
+        record = step_metrics(step + 1, everyone, groups, updates, samples, device,
+                              run.engine.stats)
+        keep_trajectories(cfg, step + 1, batch_ids, batch, samples, run.tokenizer)
+        eval_phase(run, step + 1, record, times, memory)
+        log_phase(run, record, samples, t_step, times, memory)
+        save_phase(run, step + 1)
+    return finish(run)
+
+
+def setup(cfg, rank, world, device, sharded):
+    """Problems, tokenizer, model, optimizer (resumed if out_dir holds a checkpoint), the one
+    Engine, the metrics file, and the held-out evaluation before training."""
+    from transformers import AutoTokenizer
+    torch.manual_seed(cfg.seed)
+    random.seed(cfg.seed)
+    problems = load_problems(cfg.data)
+    eval_problems = []
+    if cfg.eval_data:
+        eval_problems = load_problems(cfg.eval_data)[:cfg.eval_limit or None]
+    start_sandbox(cfg.sandbox_workers, cfg.sandbox_require, rank)
+    if cfg.top_p < 1 or cfg.top_k > 0:
+        print0(f"warning: top_p {cfg.top_p} / top_k {cfg.top_k}: the sampler draws from a "
+               f"truncated distribution, the trainer's log-probs are the full softmax's; "
+               f"mismatch_* then measures the truncation too")
+    path = resolve_model(cfg.model)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    rcfg = rollout.RolloutConfig(n=cfg.samples_per_prompt, temperature=cfg.temperature,
+                                 top_p=cfg.top_p, **{k: getattr(cfg, k) for k in SHARED})
+    problems = drop_overlong(problems, tokenizer, rcfg, cfg.max_prompt_tokens, cfg.data)
+    if eval_problems:
+        eval_problems = drop_overlong(eval_problems, tokenizer, rcfg, cfg.max_prompt_tokens,
+                                      cfg.eval_data)
+    steps = cfg.steps or max(1, cfg.epochs * len(problems) // cfg.prompts_per_step)
+
+    model = build_model(path, device, sharded)
+    model.attn_backend = cfg.attn_backend
+    model.gradient_checkpointing = cfg.activation_checkpointing
+    if device.type == "cuda" or cfg.attn_backend == "flash":
+        print0(attention_path(cfg.attn_backend, device, compute_dtype(device)))
+    ref = None
+    if cfg.kl_coef > 0:
+        ref = build_model(path, device, sharded).requires_grad_(False)   # the frozen start
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+                            weight_decay=cfg.weight_decay)
+    start, evals = 0, {}
+    resume_from = latest_resumable(cfg.out_dir) if cfg.resume else None
+    if resume_from:
+        trainer = load_checkpoint(resume_from, model, opt)
+        check_resume(trainer["config"], asdict(cfg), RESUME_FIELDS, cfg.resume_override)
+        start, evals = trainer["step"], trainer["evals"]
+        print0(f"resumed from {resume_from} at step {start}")
+    metrics = Metrics(os.path.join(cfg.out_dir, "metrics.jsonl"), cfg, start)
+    engine = make_engine(model, opt, cfg, device, world, bool(eval_problems))
+    print0(f"rl: {len(problems)} problems, {steps} steps of {cfg.prompts_per_step} x "
+           f"{cfg.samples_per_prompt}, world {world}, device {device}, KV pool "
+           f"{engine.stats['kv_pool_tokens']} tokens per rank")
+    run = Run(cfg, rank, world, device, path, tokenizer, rcfg, problems, eval_problems, steps,
+              start, evals, model, ref, opt, engine, metrics, TimedSandbox())
+    if eval_problems and start == 0:
+        evals["before"] = run_eval(run, 0)
+        print0(f"eval before: accuracy {evals['before']['accuracy']:.3f}")
+    return run
+
+
+def rollout_phase(run, step, batch, mine):
+    """This rank's problems, samples_per_prompt trajectories each, with the current weights."""
+    run.sandbox.seconds = 0.0
+    run.model.eval()
+    seeds = [problem_seed(run.cfg.seed, step, i) for i in mine]
+    with full_weights(run.model):
+        return rollout.rollout(run.model, run.tokenizer, [batch[i] for i in mine], run.rcfg,
+                               sandbox=run.sandbox, seeds=seeds, engine=run.engine)
+
+
+def score_phase(run, batch, mine, trajs):
+    """Grade and reward every trajectory; the samples sorted by (problem, sample), each problem
+    numbered by its place in the global batch."""
+    samples = grade([batch[i] for i in mine], trajs, run.cfg)
+    for s in samples:
+        s["problem"] = mine[s["problem"]]
+    samples.sort(key=lambda s: (s["problem"], s["sample"]))
+    return samples
+
+
+def advantages_phase(samples, cfg):
+    """GRPO's group-normalised advantages: a problem's whole group is on this rank."""
+    rewards = [s["reward"] for s in samples]
+    advantages = group_advantages(rewards, cfg.samples_per_prompt, cfg.adv_eps).tolist()
+    for s, a in zip(samples, advantages):
+        s["adv"] = a
+
+
+def share_rewards(samples, cfg):
+    """Every rank's per-sample numbers (for the metrics), the rewards of each group, and the
+    groups to train on: with dynamic sampling only those whose rewards differ (the others carry
+    no signal)."""
+    keys = ("problem", "reward", "score", "correct", "tool_calls", "tool_ok", "length", "finish")
+    everyone = all_gather_list([{k: s[k] for k in keys} for s in samples])
+    groups = {}
+    for s in everyone:
+        groups.setdefault(s["problem"], []).append(s["reward"])
+    kept = {p for p, g in groups.items() if max(g) > min(g) or not cfg.dynamic_sampling}
+    return everyone, groups, kept
+
+
+def old_logprobs_phase(run, samples):
+    """The old (and reference) log-probs, with the training forward."""
+    score_tokens(run.model, samples, "old_logprobs", run.cfg, run.device, entropy=True)
+    if run.ref is not None:
+        score_tokens(run.ref, samples, "ref_logprobs", run.cfg, run.device)
+
+
+def update_phase(run, step, samples, kept):
+    """PPO updates: one optimizer step per mini-batch of mini_batch_prompts problems."""
+    cfg, updates = run.cfg, []
+    for _ in range(cfg.ppo_epochs):
+        for first in range(0, cfg.prompts_per_step, cfg.mini_batch_prompts):
+            part = [s for s in samples if first <= s["problem"] < first + cfg.mini_batch_prompts
+                    and s["problem"] in kept]
+            counts = [sum(sum(s["mask"]) for s in part), len(part)]
+            num_tokens, num_seqs = all_reduce(counts, run.device)
+            if num_seqs == 0:
+                continue
+            stats = update(run.model, run.opt, part, num_tokens, int(num_seqs), cfg, run.device,
+                           run.world)
+            if not (math.isfinite(stats["loss"]) and math.isfinite(stats["grad_norm"])):
+                raise SystemExit(f"step {step + 1}: loss {stats['loss']} / grad norm "
+                                 f"{stats['grad_norm']} is not finite; stopping before the "
+                                 f"optimizer step (checkpoints: {cfg.out_dir})")
+            run.opt.step()
+            run.opt.zero_grad(set_to_none=True)  # the gradients' memory goes back to the pool
+            updates.append(stats)
+    return updates
+
+
+def eval_phase(run, step, record, times, memory):
+    """Held-out evaluation every eval_every steps and after the last."""
+    last = step == run.steps
+    if not run.eval_problems or not (last or (run.cfg.eval_every and
+                                              step % run.cfg.eval_every == 0)):
+        return
+    with phase("eval", times, memory, run.device):
+        record["eval"] = run.evals["last"] = run_eval(run, step)
+    if last:
+        run.evals["after"] = run.evals["last"]
+
+
+def log_phase(run, record, samples, t_step, times, memory):
+    times["step"] = time.time() - t_step
+    record["time"] = {k: round(v, 3) for k, v in times.items()}
+    if memory:
+        record["memory_gib"] = memory
+    # logged before the checkpoint: a run killed between the two redoes the step, not its line
+    run.metrics.log(**record)
+    print_step(record, samples, run.cfg)
+
+
+def save_phase(run, step):
+    """A checkpoint every save_every steps and after the last (a collective: every rank)."""
+    cfg = run.cfg
+    if not (step == run.steps or (cfg.save_every and step % cfg.save_every == 0)):
+        return
+    t0 = time.time()
+    save_dtype = DTYPES[run.model.config.dtype if cfg.save_dtype == "auto" else cfg.save_dtype]
+    save_checkpoint(cfg.out_dir, step, run.model, run.opt, run.tokenizer,
+                    dict(config=asdict(cfg), evals=run.evals), run.path, dtype=save_dtype,
+                    keep=cfg.keep_checkpoints)
+    run.metrics.log(event="save", step=step, seconds=round(time.time() - t0, 3))
+
+
+def finish(run):
+    """The summary (out_dir/summary.json), the learning curve, the held-out change."""
+    cfg, evals = run.cfg, run.evals
+    summary = {"steps": run.steps, "config": asdict(cfg),
+               **{k: evals[k] for k in ("before", "after") if k in evals}}
+    run.metrics.finish({k: v for k, v in summary.items() if k != "config"})
+    if run.rank == 0:
+        with open(os.path.join(cfg.out_dir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+        print(learning_curve(cfg.out_dir), flush=True)
+        if "before" in summary and "after" in summary:
+            def show(k):
+                return " -> ".join("n/a" if x[k] is None else f"{x[k]:.3f}"
+                                   for x in (summary["before"], summary["after"]))
+            print(f"held-out accuracy {show('accuracy')}, tool calls per response "
+                  f"{show('tool_calls_per_response')} ({cfg.out_dir}/summary.json)", flush=True)
+    return summary
+
+
+# ---------------------------------------------------------------- rollout and grading
 @contextmanager
 def full_weights(model):
     """Generation needs every weight on every rank: under FSDP2 all-gather each unit once for the
@@ -295,18 +557,6 @@ def full_weights(model):
             model.set_reshard_after_forward(False, recurse=False)
 
 
-def all_reduce(values, device, op=dist.ReduceOp.SUM):
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=op)
-    return t.tolist()
-
-
-def all_gather_list(items):
-    parts = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, list(items))
-    return [x for part in parts for x in part]
-
-
 @contextmanager
 def phase(name, times, memory, device):
     """times[name]: the seconds of the block; on CUDA memory[name]: its peak allocation in GiB."""
@@ -320,10 +570,11 @@ def phase(name, times, memory, device):
 
 
 def trainer_peak(model, opt, cfg, device):
-    """CUDA bytes the run needs beside the KV pool at its peak, weights included: the larger of training (a
-    forward and backward of one update micro-batch of micro_batch_tokens and a no-grad pass of one log-prob
-    micro-batch, run once on dummy tokens) and generation (every weight gathered at once in bf16: full_weights),
-    each plus AdamW's two fp32 moments, which its first step allocates. Every rank runs it (FSDP collectives)."""
+    """CUDA bytes the run needs beside the KV pool at its peak, weights included: the larger of
+    training (a forward and backward of one update micro-batch of micro_batch_tokens and a no-grad
+    pass of one log-prob micro-batch, run once on dummy tokens) and generation (every weight
+    gathered at once in bf16: full_weights), each plus AdamW's two fp32 moments, which its first
+    step allocates. Every rank runs it (FSDP collectives)."""
     torch.cuda.reset_peak_memory_stats(device)
     for n, grad in ((cfg.logprob_micro_batch_tokens, False), (cfg.micro_batch_tokens, True)):
         ids = torch.zeros(1, n, dtype=torch.long, device=device)
@@ -334,26 +585,30 @@ def trainer_peak(model, opt, cfg, device):
             if grad:
                 (logp.sum() * 0.0).backward()
     opt.zero_grad(set_to_none=True)
-    shard = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in model.parameters())
-    gathered = sum(p.numel() for p in model.parameters()) * torch.empty(0, dtype=compute_dtype(device)).element_size()
-    train, generate = torch.cuda.max_memory_allocated(device), torch.cuda.memory_allocated(device) + gathered
-    return max(train, generate) + 2 * 4 * shard
+    params = list(model.parameters())
+    shard = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in params)
+    gathered = sum(p.numel() for p in params) * compute_dtype(device).itemsize
+    train_peak = torch.cuda.max_memory_allocated(device)
+    generate_peak = torch.cuda.memory_allocated(device) + gathered
+    return max(train_peak, generate_peak) + 2 * 4 * shard
 
 
 def make_engine(model, opt, cfg, device, world, evaluating):
-    """The process's one Engine (KV pool and CUDA graphs), for every rollout and evaluation: its pool holds the
-    larger of a step's and an evaluation batch's sequences at full length; on CUDA no more than the device has
-    left at the trainer's measured peak (kv_memory_utilization of it)."""
-    seqs = max(-(-cfg.prompts_per_step // world) * cfg.samples_per_prompt,
-               evaluate.EvalConfig.problems_per_batch * cfg.eval_n if evaluating else 0)
+    """The process's one Engine (KV pool and CUDA graphs), for every rollout and evaluation: its
+    pool holds the larger of a step's and an evaluation batch's sequences at full length; on CUDA
+    no more than the device has left at the trainer's measured peak (kv_memory_utilization)."""
+    seqs = -(-cfg.prompts_per_step // world) * cfg.samples_per_prompt
+    if evaluating:
+        seqs = max(seqs, evaluate.EvalConfig.problems_per_batch * cfg.eval_n)
     budget = None
     if device.type == "cuda":
-        budget = rollout.kv_budget(device, cfg.kv_memory_utilization, trainer_peak(model, opt, cfg, device))
-    return rollout.Engine(model, max_seq_lens=[cfg.max_prompt_tokens + cfg.max_response_tokens] * seqs,
-                          kv_cache_bytes=budget, dtype=compute_dtype(device))
+        peak = trainer_peak(model, opt, cfg, device)
+        budget = rollout.kv_budget(device, cfg.kv_memory_utilization, peak)
+    lengths = [cfg.max_prompt_tokens + cfg.max_response_tokens] * seqs
+    return rollout.Engine(model, max_seq_lens=lengths, kv_cache_bytes=budget,
+                          dtype=compute_dtype(device))
 
 
-# ---------------------------------------------------------------- rollout and grading
 class TimedSandbox:
     """sandbox.submit with the seconds of its runs added up, for the step's time breakdown (the
     rollout takes the sandbox's other functions from sandbox.py itself)."""
@@ -367,7 +622,8 @@ class TimedSandbox:
         return future
 
     def add(self, future):
-        if future.exception() is None:
+        # a cancelled run (Ctrl-C, a stopped pool) has no result: future.exception() would raise
+        if not future.cancelled() and future.exception() is None:
             with self.lock:
                 self.seconds += future.result().seconds or 0.0
 
@@ -392,11 +648,12 @@ def grade(problems, trajs, cfg):
         p = problems[t.problem_index]
         score = evaluate.score(p, t.text, code_timeout=cfg.code_test_timeout)
         correct_r = correctness_reward(p["kind"], score, p["kind"] != "code" or has_program(t.text))
+        reward = shape_reward(correct_r, tool_turns(t.tool_calls), len(t.response_ids), cfg)
         return dict(
-            problem=t.problem_index, sample=t.sample_index, ids=list(t.prompt_ids) + list(t.response_ids),
-            prompt_len=len(t.prompt_ids), mask=list(t.loss_mask), sampler_logprobs=list(t.logprobs),
-            score=score, correct=score >= 1.0,
-            reward=shape_reward(correct_r, tool_turns(t.tool_calls), len(t.response_ids), cfg),
+            problem=t.problem_index, sample=t.sample_index,
+            ids=list(t.prompt_ids) + list(t.response_ids), prompt_len=len(t.prompt_ids),
+            mask=list(t.loss_mask), sampler_logprobs=list(t.logprobs),
+            score=score, correct=score >= 1.0, reward=reward,
             tool_calls=len(t.tool_calls), tool_ok=sum(c["status"] == "ok" for c in t.tool_calls),
             length=len(t.response_ids), finish=t.finish_reason, text=t.text, traj=t)
 
@@ -404,7 +661,7 @@ def grade(problems, trajs, cfg):
         return list(pool.map(one, trajs))
 
 
-# ---------------------------------------------------------------- training forward: packed micro-batches
+# ---------------------------------------------------------------- training forward: packed
 def pack(samples, budget, device):
     """Greedy packing in order: lists of samples within `budget` tokens (a longer one goes alone),
     padded to the most over ranks with loss-free two-token samples: every FSDP forward and
@@ -418,19 +675,22 @@ def pack(samples, budget, device):
         size += len(s["ids"]) - 1
     batches = batches if batches[0] else []
     most = int(all_reduce([len(batches)], device, dist.ReduceOp.MAX)[0])
-    dummy = dict(ids=[0, 0], prompt_len=1, mask=[0], sampler_logprobs=[0.0], adv=0.0, old_logprobs=torch.zeros(1),
-                 ref_logprobs=torch.zeros(1))   # mask 0: whatever these are, the token adds 0 to loss and gradient
+    # mask 0: whatever these are, the token adds 0 to loss and gradient
+    dummy = dict(ids=[0, 0], prompt_len=1, mask=[0], sampler_logprobs=[0.0], adv=0.0,
+                 old_logprobs=torch.zeros(1), ref_logprobs=torch.zeros(1))
     return batches + [[dummy] for _ in range(most - len(batches))]
 
 
 def micro_tensors(batch, device):
     """One packed sequence [1, N]: inputs, targets, cu_seqlens, the loss mask (sampled response
-    tokens), per-token advantages and sampler log-probs, and each token's sample index."""
+    tokens), per-token advantages and sampler log-probs, and each token's sample index.
+    The shift: position t predicts token t + 1, so a sample's response mask (one entry per
+    response token) starts at position prompt_len - 1 (rollout.py: a trajectory's ids and mask)."""
     from model import cu_seqlens_from_lengths
     cols = {k: [] for k in ("input_ids", "targets", "mask", "adv", "sampler_logprobs", "seq_ids")}
     lengths = []
     for k, s in enumerate(batch):
-        n, pad = len(s["ids"]) - 1, s["prompt_len"] - 1     # position t predicts token t + 1
+        n, pad = len(s["ids"]) - 1, s["prompt_len"] - 1
         cols["input_ids"] += s["ids"][:-1]
         cols["targets"] += s["ids"][1:]
         cols["mask"] += [0] * pad + s["mask"]
@@ -439,13 +699,15 @@ def micro_tensors(batch, device):
         cols["seq_ids"] += [k] * n
         lengths.append(n)
     kinds = dict(input_ids=torch.long, targets=torch.long, seq_ids=torch.long)
-    mb = {k: torch.tensor(v, dtype=kinds.get(k, torch.float32), device=device)[None] for k, v in cols.items()}
+    mb = {k: torch.tensor(v, dtype=kinds.get(k, torch.float32), device=device)[None]
+          for k, v in cols.items()}
     return dict(mb, cu_seqlens=cu_seqlens_from_lengths(lengths, device=device), lengths=lengths)
 
 
 @torch.no_grad()
 def score_tokens(model, samples, key, cfg, device, entropy=False):
-    """Per-token log-probs of model on each sample's targets -> sample[key] (entropy -> sample['entropy'])."""
+    """Per-token log-probs of model on each sample's targets -> sample[key] (and with entropy,
+    sample['entropy'])."""
     model.eval()
     for batch in pack(samples, cfg.logprob_micro_batch_tokens, device):
         mb = micro_tensors(batch, device)
@@ -459,12 +721,14 @@ def score_tokens(model, samples, key, cfg, device, entropy=False):
 
 
 def update(model, opt, samples, num_tokens, num_seqs, cfg, device, world):
-    """One optimizer step's gradient on this rank's share of a mini-batch; returns the summed stats.
-    Why it is the exact token mean over the whole mini-batch, however micro-batches and ranks split it:
-      each micro-batch's loss is sum(its tokens' terms) / num_tokens (the mini-batch's count, all ranks);
-      backward() adds the micro-batches' gradients on a rank; FSDP then averages over the ranks
-      (reduce-scatter, a divide by world: common.build_model), so loss x world makes that average a sum:
-      sum over ranks and micro-batches of sum(terms) / num_tokens = the token mean of the mini-batch."""
+    """One optimizer step's gradient on this rank's share of a mini-batch; returns summed stats.
+    Why it is the exact token mean over the whole mini-batch, however micro-batches and ranks
+    split it:
+      each micro-batch's loss is sum(its tokens' terms) / num_tokens (the mini-batch's count of
+      mask-1 tokens, all ranks); backward() adds the micro-batches' gradients on a rank; FSDP2's
+      reduce-scatter then averages over the ranks (it divides the sum by world: common.build_model
+      says so where FSDP2 is built), so backpropagating loss x world turns that average into the
+      sum over ranks and micro-batches of sum(terms) / num_tokens = the mini-batch's token mean."""
     model.train()
     opt.zero_grad(set_to_none=True)
     clip_high = cfg.clip_high if cfg.clip_higher else cfg.clip_low
@@ -473,45 +737,54 @@ def update(model, opt, samples, num_tokens, num_seqs, cfg, device, world):
         if fsdp:  # reduce-scatter the gradients once, after the last micro-batch
             model.set_requires_gradient_sync(k == len(batches) - 1)
         mb = micro_tensors(batch, device)
+        want_entropy = cfg.entropy_coef > 0
         out = model.token_logprobs(mb["input_ids"], mb["targets"], cu_seqlens=mb["cu_seqlens"],
-                                   return_entropy=cfg.entropy_coef > 0, temperature=cfg.temperature)   # [1, N] each
-        logp, ent = out if cfg.entropy_coef > 0 else (out, None)
+                                   return_entropy=want_entropy,
+                                   temperature=cfg.temperature)                  # [1, N] each
+        logp, ent = out if want_entropy else (out, None)
         old = torch.cat([s["old_logprobs"] for s in batch]).to(device)[None]
-        # TIS: the sampler drew these tokens, so weight them towards the trainer's numbers
-        is_w = torch.exp(old - mb["sampler_logprobs"]).clamp(max=cfg.tis_cap) * mb["mask"] if cfg.tis_cap > 0 else None
-        agg = dict(agg=cfg.loss_agg, num_tokens=num_tokens, seq_ids=mb["seq_ids"], num_seqs=num_seqs)
-        loss, stats = grpo_tcr_loss(logp, old, mb["adv"], mb["mask"], cfg.clip_low, clip_high, cfg.clip_c,
-                                    is_weights=is_w, **agg)
-        if cfg.entropy_coef > 0:  # the entropy of the differentiable forward, aggregated like the loss
+        is_w = None
+        if cfg.tis_cap > 0:  # TIS: the sampler drew these tokens; weight them towards the trainer
+            is_w = torch.exp(old - mb["sampler_logprobs"]).clamp(max=cfg.tis_cap) * mb["mask"]
+        agg = dict(agg=cfg.loss_agg, num_tokens=num_tokens, seq_ids=mb["seq_ids"],
+                   num_seqs=num_seqs)
+        loss, stats = grpo_tcr_loss(logp, old, mb["adv"], mb["mask"], cfg.clip_low, clip_high,
+                                    cfg.clip_c, is_weights=is_w, **agg)
+        if want_entropy:  # the entropy of the differentiable forward, aggregated like the loss
             loss = loss - cfg.entropy_coef * aggregate(ent, mb["mask"], **agg)
-        if cfg.kl_coef > 0:       # verl's low_var_kl (k3) to the frozen start policy, clamped as there
-            d = (torch.cat([s["ref_logprobs"] for s in batch]).to(device)[None] - logp).clamp(-20.0, 20.0)
+        if cfg.kl_coef > 0:  # verl's low_var_kl (k3) to the frozen start policy, clamped as there
+            ref = torch.cat([s["ref_logprobs"] for s in batch]).to(device)[None]
+            d = (ref - logp).clamp(-20.0, 20.0)
             kl = aggregate((d.exp() - d - 1).clamp(-10.0, 10.0), mb["mask"], **agg)
             loss, stats["ref_kl"] = loss + cfg.kl_coef * kl, kl.detach()
         (loss * world).backward()  # FSDP averages gradients over ranks; the loss is already global
         stats["loss"] = loss.detach()
-        for k, v in stats.items():
-            totals[k] = totals.get(k, 0.0) + float(v)
+        for name, v in stats.items():
+            totals[name] = totals.get(name, 0.0) + float(v)
     summed = dict(zip(sorted(totals), all_reduce([totals[k] for k in sorted(totals)], device)))
     summed["grad_norm"] = clip_grads(model, cfg.grad_clip)
     return summed
 
 
 # ---------------------------------------------------------------- evaluation and metrics
-def run_eval(model, tokenizer, problems, cfg, step, engine):
-    """Held-out accuracy with evaluate.py's protocol (temperature 1.0, top-p 0.6, eval_n samples)."""
-    ecfg = evaluate.EvalConfig(n=cfg.eval_n, temperature=cfg.eval_temperature, top_p=cfg.eval_top_p,
-                               code_test_timeout=cfg.code_test_timeout, seed=cfg.seed,
-                               **{k: getattr(cfg, k) for k in SHARED})
+def run_eval(run, step):
+    """Held-out accuracy with evaluate.py's protocol (temperature 1.0, top-p 0.6, eval_n
+    samples), written to out_dir/eval/step_NNNNNN."""
+    cfg = run.cfg
+    ecfg = evaluate.EvalConfig(n=cfg.eval_n, temperature=cfg.eval_temperature,
+                               top_p=cfg.eval_top_p, code_test_timeout=cfg.code_test_timeout,
+                               seed=cfg.seed, **{k: getattr(cfg, k) for k in SHARED})
     out = os.path.join(cfg.out_dir, "eval", f"step_{step:06d}")
-    model.eval()
-    with full_weights(model):
-        _, summary = evaluate.evaluate(model, tokenizer, problems, ecfg, out_dir=out, progress=False, engine=engine)
+    run.model.eval()
+    with full_weights(run.model):
+        _, summary = evaluate.evaluate(run.model, run.tokenizer, run.eval_problems, ecfg,
+                                       out_dir=out, progress=False, engine=run.engine)
     tools = summary["overall"].get("tools", {})
     result = {"step": step, "accuracy": summary["overall"].get("headline"),
               "tool_calls_per_response": tools.get("tool_calls_per_response"),
-              "tool_call_success": tools.get("tool_call_success"), "response_tokens": tools.get("response_tokens")}
-    if dist.get_rank() == 0:
+              "tool_call_success": tools.get("tool_call_success"),
+              "response_tokens": tools.get("response_tokens")}
+    if run.rank == 0:
         with open(os.path.join(out, "result.json"), "w") as f:
             json.dump(dict(result, summary=summary), f, indent=2)
     return result
@@ -522,10 +795,11 @@ def step_metrics(step, everyone, groups, updates, samples, device, engine_stats)
     updates), the entropy and the sampler/trainer log-prob mismatch over this step's tokens, the
     KV pool (its size, its peak use and the preemptions: the largest and the sum over ranks)."""
     n, calls = len(everyone), sum(s["tool_calls"] for s in everyone)
-    # The mismatch: the sampler's log-probs are under the distribution it drew from (softmax at the
-    # temperature, cut to top-k / top-p and renormalised: rollout.sample), the trainer's old log-probs under
-    # the full softmax at the same temperature. They agree, up to the two attention kernels' rounding, only
-    # at top_p 1 and top_k 0 (the RL defaults; train() warns otherwise). The loss's ratio uses the trainer's.
+    # The mismatch: the sampler's log-probs are under the distribution it drew from (softmax at
+    # the temperature, cut to top-k / top-p and renormalised: rollout.sample), the trainer's old
+    # log-probs under the full softmax at the same temperature. They agree, up to the two
+    # attention kernels' rounding, only at top_p 1 and top_k 0 (the RL defaults; setup() warns
+    # otherwise). The loss's ratio uses the trainer's.
     ent = total = worst = outside = count = 0.0
     for s in samples:
         m, start = torch.tensor(s["mask"], dtype=torch.bool), s["prompt_len"] - 1
@@ -534,22 +808,22 @@ def step_metrics(step, everyone, groups, updates, samples, device, engine_stats)
         total, count = total + float(d.abs().sum()), count + d.numel()
         worst = max([worst] + d.abs().tolist())
         outside += float(((d.exp() < 0.9) | (d.exp() > 1.1)).sum())
-    ent, total, outside, count, preemptions = all_reduce([ent, total, outside, count, engine_stats["preemptions"]],
-                                                         device)
-    rec = {"event": "step", "step": step, "reward": sum(s["reward"] for s in everyone) / n,
-           "accuracy": sum(s["correct"] for s in everyone) / n, "score": sum(s["score"] for s in everyone) / n,
-           "tool_calls_per_traj": calls / n,
+    sums = [ent, total, outside, count, engine_stats["preemptions"]]
+    ent, total, outside, count, preemptions = all_reduce(sums, device)
+    most = all_reduce([worst, engine_stats["kv_peak_tokens"]], device, dist.ReduceOp.MAX)
+    mean = lambda key: sum(s[key] for s in everyone) / n
+    rec = {"event": "step", "step": step, "reward": mean("reward"), "accuracy": mean("correct"),
+           "score": mean("score"), "tool_calls_per_traj": calls / n,
            "tool_call_success": sum(s["tool_ok"] for s in everyone) / calls if calls else None,
-           "response_length": sum(s["length"] for s in everyone) / n,
+           "response_length": mean("length"),
            "response_length_max": max(s["length"] for s in everyone),
            "truncated": sum(s["finish"] == "length" for s in everyone) / n,
            "max_turns_hit": sum(s["finish"] == "max_turns" for s in everyone) / n,
            "groups_all_equal": sum(max(g) == min(g) for g in groups.values()) / len(groups),
            "entropy": ent / max(count, 1), "mismatch_mean": total / max(count, 1),
-           "mismatch_max": all_reduce([worst], device, dist.ReduceOp.MAX)[0],
-           "mismatch_outside": outside / max(count, 1), "updates": len(updates),
-           "kv_pool_tokens": engine_stats["kv_pool_tokens"], "preemptions": int(preemptions),
-           "kv_peak_tokens": int(all_reduce([engine_stats["kv_peak_tokens"]], device, dist.ReduceOp.MAX)[0])}
+           "mismatch_max": most[0], "mismatch_outside": outside / max(count, 1),
+           "updates": len(updates), "kv_pool_tokens": engine_stats["kv_pool_tokens"],
+           "preemptions": int(preemptions), "kv_peak_tokens": int(most[1])}
     for k in ("loss", "clip_high", "clip_low", "clip_dual", "approx_kl", "ref_kl", "grad_norm"):
         vals = [u[k] for u in updates if k in u]
         if vals:
@@ -560,209 +834,37 @@ def step_metrics(step, everyone, groups, updates, samples, device, engine_stats)
 
 
 def keep_trajectories(cfg, step, batch_ids, batch, samples, tokenizer):
-    """The step's first cfg.save_trajectories groups, whole, into out_dir/trajectories/step_NNNNNN.jsonl.gz (rank 0
-    writes what every rank sends): evaluate.py's trajectory records plus the step, reward, advantage and the
-    trainer's log-probs of the response tokens (what `python scripts/view.py out_dir` shows)."""
+    """The step's first cfg.save_trajectories groups, whole, into
+    out_dir/trajectories/step_NNNNNN.jsonl.gz (rank 0 writes what every rank sends): evaluate.py's
+    trajectory records plus the step, reward, advantage and the trainer's log-probs of the
+    response tokens (what `python scripts/view.py out_dir` shows)."""
+    def digits4(values):   # 4 significant digits
+        return [float(f"{x:.4g}") for x in values]
+
     mine = []
     for s in samples:
         if s["problem"] < cfg.save_trajectories:
             t, p, start = s["traj"], batch[s["problem"]], s["prompt_len"] - 1
-            mine.append(dict(t.to_dict(), step=step, problem_index=s["problem"], uid=str(batch_ids[s["problem"]]),
-                             kind=p["kind"], source=p.get("source"), prompt=tokenizer.decode(t.prompt_ids),
-                             reward=s["reward"], advantage=s["adv"], score=s["score"], correct=s["correct"],
-                             logprobs=[float(f"{x:.4g}") for x in t.logprobs],   # 4 significant digits
-                             trainer_logprobs=[float(f"{x:.4g}") for x in s["old_logprobs"][start:].tolist()]))
+            mine.append(dict(t.to_dict(), step=step, problem_index=s["problem"],
+                             uid=str(batch_ids[s["problem"]]), kind=p["kind"],
+                             source=p.get("source"), prompt=tokenizer.decode(t.prompt_ids),
+                             reward=s["reward"], advantage=s["adv"], score=s["score"],
+                             correct=s["correct"], logprobs=digits4(t.logprobs),
+                             trainer_logprobs=digits4(s["old_logprobs"][start:].tolist())))
     everyone = all_gather_list(mine)
     if dist.get_rank() == 0 and everyone:
-        folder = os.path.join(cfg.out_dir, "trajectories")
-        os.makedirs(folder, exist_ok=True)
-        with gzip.open(os.path.join(folder, f"step_{step:06d}.jsonl.gz"), "wt", encoding="utf-8") as f:
-            for r in sorted(everyone, key=lambda r: (r["problem_index"], r["sample_index"])):
-                f.write(json.dumps(r, ensure_ascii=False, separators=(",", ":")) + "\n")
-
-
-def learning_curve(out_dir):
-    """Reward, training accuracy and tool calls per trajectory by step, from metrics.jsonl, as a
-    table, and as out_dir/learning_curve.png when matplotlib (optional) is installed."""
-    rows = [r for r in map(json.loads, open(os.path.join(out_dir, "metrics.jsonl"))) if r.get("event") == "step"]
-    keys = {"reward": "mean reward", "accuracy": "accuracy of the step's samples",
-            "tool_calls_per_traj": "tool calls per trajectory"}
-    table = "\n".join(["step  " + "  ".join(f"{k:>19}" for k in keys)] +
-                      [f"{r['step']:>4}  " + "  ".join(f"{r[k]:>19.3f}" for k in keys) for r in rows])
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return table
-    fig, axes = plt.subplots(1, 3, figsize=(12, 3.2))
-    for ax, (k, title) in zip(axes, keys.items()):
-        ax.plot([r["step"] for r in rows], [r[k] for r in rows])
-        ax.set(xlabel="step", title=title)
-    fig.tight_layout()
-    fig.savefig(os.path.join(out_dir, "learning_curve.png"), dpi=100)
-    plt.close(fig)
-    return table
-
-
-# ---------------------------------------------------------------- the loop
-def train(cfg):
-    """Run GRPO-TCR as configured; returns the summary dict (also out_dir/summary.json)."""
-    if cfg.prompts_per_step % cfg.mini_batch_prompts:
-        raise SystemExit("prompts_per_step must be a multiple of mini_batch_prompts")
-    if cfg.loss_agg not in ("token-mean", "seq-mean-token-mean"):
-        raise SystemExit(f"--loss_agg {cfg.loss_agg!r}: expected token-mean or seq-mean-token-mean")
-    with distributed() as (rank, world, device, sharded):
-        if cfg.mini_batch_prompts % world:
-            raise SystemExit(f"mini_batch_prompts ({cfg.mini_batch_prompts}) must be a multiple of the number of "
-                             f"processes ({world}), so every rank holds part of every mini-batch")
-        if cfg.model == "toy":  # the toy preset: its problem files, and the SFT start to begin from
-            if rank == 0:
-                toy.ensure()
-            dist.barrier()
-            cfg.model = toy.sft_start()
-        return _train(cfg, rank, world, device, sharded)
-
-
-def _train(cfg, rank, world, device, sharded):
-    from transformers import AutoTokenizer
-    torch.manual_seed(cfg.seed)
-    random.seed(cfg.seed)
-    problems = load_problems(cfg.data)
-    eval_problems = load_problems(cfg.eval_data)[:cfg.eval_limit or None] if cfg.eval_data else []
-    start_sandbox(cfg.sandbox_workers, cfg.sandbox_require, rank)
-    if cfg.top_p < 1 or cfg.top_k > 0:
-        print0(f"warning: top_p {cfg.top_p} / top_k {cfg.top_k}: the sampler draws from a truncated distribution, the "
-               f"trainer's log-probs are the full softmax's; mismatch_* then measures the truncation too")
-    path = resolve_model(cfg.model)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    rcfg = rollout.RolloutConfig(n=cfg.samples_per_prompt, temperature=cfg.temperature, top_p=cfg.top_p,
-                                 **{k: getattr(cfg, k) for k in SHARED})
-    problems = drop_overlong(problems, tokenizer, rcfg, cfg.max_prompt_tokens, cfg.data)
-    if eval_problems:
-        eval_problems = drop_overlong(eval_problems, tokenizer, rcfg, cfg.max_prompt_tokens, cfg.eval_data)
-    steps = cfg.steps or max(1, cfg.epochs * len(problems) // cfg.prompts_per_step)
-
-    model = build_model(path, device, sharded)
-    model.attn_backend, model.gradient_checkpointing = cfg.attn_backend, cfg.activation_checkpointing
-    if device.type == "cuda" or cfg.attn_backend == "flash":
-        print0(attention_path(cfg.attn_backend, device, compute_dtype(device)))
-    ref = build_model(path, device, sharded).requires_grad_(False) if cfg.kl_coef > 0 else None  # frozen start
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay)
-    start, evals = 0, {}
-    resume_from = latest_resumable(cfg.out_dir) if cfg.resume else None
-    if resume_from:
-        trainer = load_checkpoint(resume_from, model, opt)
-        check_resume(trainer["config"], asdict(cfg), RESUME_FIELDS, cfg.resume_override)
-        start, evals = trainer["step"], trainer["evals"]
-        print0(f"resumed from {resume_from} at step {start}")
-    metrics = Metrics(os.path.join(cfg.out_dir, "metrics.jsonl"), cfg, start)
-    engine = make_engine(model, opt, cfg, device, world, bool(eval_problems))
-    print0(f"rl: {len(problems)} problems, {steps} steps of {cfg.prompts_per_step} x {cfg.samples_per_prompt}, "
-           f"world {world}, device {device}, KV pool {engine.stats['kv_pool_tokens']} tokens per rank")
-    if eval_problems and start == 0:
-        evals["before"] = run_eval(model, tokenizer, eval_problems, cfg, 0, engine)
-        print0(f"eval before: accuracy {evals['before']['accuracy']:.3f}")
-
-    timed_sandbox = TimedSandbox()
-    for step in range(start, steps):
-        t_step, times, memory = time.time(), {}, {}
-        # 1. rollout: this rank takes every world-th problem, so each mini-batch is on every rank
-        batch_ids = batch_indices(step, cfg.prompts_per_step, len(problems), cfg.seed)
-        batch = [problems[i] for i in batch_ids]
-        mine = list(range(rank, len(batch), world))
-        timed_sandbox.seconds = 0.0
-        with phase("rollout", times, memory, device):
-            model.eval()
-            with full_weights(model):
-                trajs = rollout.rollout(model, tokenizer, [batch[i] for i in mine], rcfg, sandbox=timed_sandbox,
-                                        seeds=[problem_seed(cfg.seed, step, i) for i in mine], engine=engine)
-        times["sandbox"] = timed_sandbox.seconds
-
-        # 2. rewards and group advantages (a problem's whole group is on this rank)
-        with phase("score", times, memory, device):
-            samples = grade([batch[i] for i in mine], trajs, cfg)
-            for s in samples:
-                s["problem"] = mine[s["problem"]]  # its place in the global batch
-            samples.sort(key=lambda s: (s["problem"], s["sample"]))
-            for s, a in zip(samples, group_advantages([s["reward"] for s in samples], cfg.samples_per_prompt,
-                                                      cfg.adv_eps).tolist()):
-                s["adv"] = a
-        everyone = all_gather_list([{k: v for k, v in s.items() if k in ("problem", "reward", "score", "correct",
-                                     "tool_calls", "tool_ok", "length", "finish")} for s in samples])
-        groups = {}
-        for s in everyone:
-            groups.setdefault(s["problem"], []).append(s["reward"])
-        # dynamic sampling: train only on the groups whose rewards differ (the others carry no signal)
-        kept = {p for p, g in groups.items() if max(g) > min(g) or not cfg.dynamic_sampling}
-
-        # 3. old (and reference) log-probs with the training forward
-        with phase("old_logprob", times, memory, device):
-            score_tokens(model, samples, "old_logprobs", cfg, device, entropy=True)
-            if ref is not None:
-                score_tokens(ref, samples, "ref_logprobs", cfg, device)
-
-        # 4. PPO updates: one optimizer step per mini-batch of mini_batch_prompts problems
-        updates = []
-        with phase("update", times, memory, device):
-            for _ in range(cfg.ppo_epochs):
-                for first in range(0, cfg.prompts_per_step, cfg.mini_batch_prompts):
-                    part = [s for s in samples if first <= s["problem"] < first + cfg.mini_batch_prompts
-                            and s["problem"] in kept]
-                    num_tokens, num_seqs = all_reduce([sum(sum(s["mask"]) for s in part), len(part)], device)
-                    if num_seqs == 0:
-                        continue
-                    stats = update(model, opt, part, num_tokens, int(num_seqs), cfg, device, world)
-                    if not (math.isfinite(stats["loss"]) and math.isfinite(stats["grad_norm"])):
-                        raise SystemExit(f"step {step + 1}: loss {stats['loss']} / grad norm {stats['grad_norm']} is "
-                                         f"not finite; stopping before the optimizer step (checkpoints: {cfg.out_dir})")
-                    opt.step()
-                    opt.zero_grad(set_to_none=True)  # the gradients' memory goes back to the rollout's pool
-                    updates.append(stats)
-
-        # 5. evaluate, log, save
-        record = step_metrics(step + 1, everyone, groups, updates, samples, device, engine.stats)
-        keep_trajectories(cfg, step + 1, batch_ids, batch, samples, tokenizer)
-        last = step + 1 == steps
-        if eval_problems and (last or (cfg.eval_every and (step + 1) % cfg.eval_every == 0)):
-            with phase("eval", times, memory, device):
-                record["eval"] = evals["last"] = run_eval(model, tokenizer, eval_problems, cfg, step + 1, engine)
-            if last:
-                evals["after"] = evals["last"]
-        times["step"] = time.time() - t_step
-        record["time"] = {k: round(v, 3) for k, v in times.items()}
-        if memory:
-            record["memory_gib"] = memory
-        metrics.log(**record)  # before the checkpoint: a run killed between the two redoes the step, not its line
-        print_step(record, samples, cfg)
-        if last or (cfg.save_every and (step + 1) % cfg.save_every == 0):
-            t0, save_dtype = time.time(), DTYPES[model.config.dtype if cfg.save_dtype == "auto" else cfg.save_dtype]
-            save_checkpoint(cfg.out_dir, step + 1, model, opt, tokenizer, dict(config=asdict(cfg), evals=evals), path,
-                            dtype=save_dtype, keep=cfg.keep_checkpoints)
-            metrics.log(event="save", step=step + 1, seconds=round(time.time() - t0, 3))
-
-    summary = {"steps": steps, "config": asdict(cfg), **{k: evals[k] for k in ("before", "after") if k in evals}}
-    metrics.finish({k: v for k, v in summary.items() if k != "config"})
-    if rank == 0:
-        with open(os.path.join(cfg.out_dir, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=2)
-        print(learning_curve(cfg.out_dir), flush=True)
-        if "before" in summary and "after" in summary:
-            show = lambda k: " -> ".join("n/a" if x[k] is None else f"{x[k]:.3f}"
-                                         for x in (summary["before"], summary["after"]))
-            print(f"held-out accuracy {show('accuracy')}, tool calls per response {show('tool_calls_per_response')} "
-                  f"({cfg.out_dir}/summary.json)", flush=True)
-    return summary
+        write_trajectories(cfg.out_dir, step, everyone)
 
 
 def print_step(rec, samples, cfg):
     t = rec["time"]
+    clips = "/".join(f"{rec.get(k, 0):.3f}" for k in ("clip_high", "clip_low", "clip_dual"))
     print0(f"step {rec['step']}: reward {rec['reward']:+.3f} acc {rec['accuracy']:.3f} calls/traj "
-           f"{rec['tool_calls_per_traj']:.2f} len {rec['response_length']:.0f} loss {rec.get('loss', 0):+.4f} "
-           f"gnorm {rec.get('grad_norm', 0):.3f} clip h/l/d {rec.get('clip_high', 0):.3f}/{rec.get('clip_low', 0):.3f}/"
-           f"{rec.get('clip_dual', 0):.3f} mismatch {rec['mismatch_mean']:.2e} | rollout {t['rollout']:.1f}s (sandbox "
-           f"{t['sandbox']:.1f}) score {t['score']:.1f}s old-lp {t['old_logprob']:.1f}s update {t['update']:.1f}s "
-           f"step {t['step']:.1f}s")
+           f"{rec['tool_calls_per_traj']:.2f} len {rec['response_length']:.0f} loss "
+           f"{rec.get('loss', 0):+.4f} gnorm {rec.get('grad_norm', 0):.3f} clip h/l/d {clips} "
+           f"mismatch {rec['mismatch_mean']:.2e} | rollout {t['rollout']:.1f}s (sandbox "
+           f"{t['sandbox']:.1f}) score {t['score']:.1f}s old-lp {t['old_logprob']:.1f}s update "
+           f"{t['update']:.1f}s step {t['step']:.1f}s")
     for s in samples[:cfg.log_samples]:
         print0(f"  sample (reward {s['reward']:+.2f}): {s['text'][:300]!r}")
 

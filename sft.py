@@ -9,10 +9,11 @@ cosine, gradient clipping, FSDP2 under torchrun (bf16 compute, fp32 master weigh
 reduction on GPU), a token-mean loss over every assistant token of the global batch, checkpoints
 that resume exactly. Metrics go to out_dir/metrics.jsonl.
 
-    python sft.py                              # the toy preset: a tiny model from scratch, ~10 min on 2 cores
+    python sft.py                        # the toy preset: a tiny model from scratch
     python sft.py --model DIR --data data/sft.jsonl --out_dir runs/sft
-    torchrun --standalone --nproc_per_node 8 sft.py --model Qwen/Qwen3-4B-Instruct-2507 --data data/sft.jsonl
-    ... --resume                               # continue the newest checkpoint of out_dir
+    torchrun --standalone --nproc_per_node 8 sft.py --model Qwen/Qwen3-4B-Instruct-2507 \
+        --data data/sft.jsonl
+    ... --resume                         # continue the newest checkpoint of out_dir
 
 Departures from the paper's run (verl fsdp_sft_trainer): a held-out split of eval_size records
 replaces their validation file (the training file itself); the first warmup step already has a
@@ -30,17 +31,19 @@ import time
 from dataclasses import asdict, dataclass
 
 import torch
-import torch.distributed as dist
 
-from common import Metrics, build_model, check_resume, checkpoints, clip_grads, compute_dtype, is_fsdp, \
-    latest_resumable, load_checkpoint, parse_config, print0, resolve_model, save_checkpoint, distributed
+from checkpoint import (check_resume, checkpoints, latest_resumable, load_checkpoint,
+                        save_checkpoint)
+from common import (all_reduce, barrier, build_model, clip_grads, compute_dtype, distributed,
+                    is_fsdp, parse_config, print0, resolve_model)
 from model import DTYPES, attention_path, cu_seqlens_from_lengths
+from runlog import Metrics
 
 
 @dataclass
-class Config:  # defaults: the repo's SFT script (Open-AgentRL qwen3-4b-ra-sft) and verl's sft_trainer.yaml
-    model: str = "Qwen/Qwen3-4B-Instruct-2507"   # HF dir or hub id; "toy": the tiny model from scratch
-    data: str = "data/sft.jsonl"                 # "toy": the toy task's trajectories (data/toy.py)
+class Config:  # defaults: the repo's SFT script (qwen3-4b-ra-sft), verl's sft_trainer.yaml
+    model: str = "Qwen/Qwen3-4B-Instruct-2507"   # HF dir or hub id; "toy": a tiny model
+    data: str = "data/sft.jsonl"                 # "toy": the toy task's trajectories
     out_dir: str = "runs/sft"
     epochs: int = 5                # trainer.total_epochs
     batch_size: int = 32           # trajectories per optimizer step, all ranks together
@@ -53,17 +56,17 @@ class Config:  # defaults: the repo's SFT script (Open-AgentRL qwen3-4b-ra-sft) 
     max_len: int = 32768           # data.max_length
     too_long: str = "truncate"     # keep the first max_len tokens (data.truncation=right) | "drop"
     micro_batch_tokens: int = 32768  # packed tokens per micro-batch on one rank (>= max_len)
-    max_steps: int = 0             # stop after this many steps (0: all epochs); the schedule follows it
+    max_steps: int = 0             # stop after this many steps (0: all epochs); sets the schedule
     eval_size: int = 16            # records held out for the held-out loss (0: none)
-    eval_every: int = 50           # steps between held-out evaluations (also at the start and the end)
+    eval_every: int = 50           # steps between held-out losses (also at the start and the end)
     save_every: int = 62           # trainer.save_freq; 0: only at the end
     keep_train_state: int = 1      # newest checkpoints that keep their resume state
-    save_dtype: str = "auto"       # saved HF weights: "auto" (the base checkpoint's) | float32 | bfloat16
+    save_dtype: str = "auto"       # saved HF weights: auto (the base's) | float32 | bfloat16
     resume: bool = False           # continue the newest checkpoint in out_dir
     resume_override: bool = False  # resume even if the order / schedule fields changed
     seed: int = 0
     gradient_checkpointing: bool = True
-    attn_backend: str = "auto"     # auto (flash-attn where it imports, on CUDA) | sdpa | flash (an error without it)
+    attn_backend: str = "auto"     # auto (flash-attn if it imports, CUDA) | sdpa | flash
     device: str = "auto"           # auto | cuda | cpu
     progress: bool = True          # tqdm bar on rank 0 (else a line every log_every steps)
     log_every: int = 1
@@ -71,12 +74,13 @@ class Config:  # defaults: the repo's SFT script (Open-AgentRL qwen3-4b-ra-sft) 
     wandb_run: str = ""            # the wandb run's name ("": wandb's own)
 
 
-# The toy pipeline (python sft.py): a 0.9M-parameter model from scratch learns in minutes what a 4B
-# model is fine-tuned on; 3 epochs of the 6,000 toy trajectories made the start shipped in data/toy_sft.
-TOY = dict(model="toy", data="toy", out_dir="runs/toy/sft", epochs=3, batch_size=16, lr=2e-3, max_len=2048,
-           micro_batch_tokens=8192, eval_every=20, save_every=0, gradient_checkpointing=False)
-RESUME_FIELDS = ("data", "epochs", "batch_size", "max_steps", "lr", "warmup_ratio", "max_len", "too_long",
-                 "eval_size", "seed")
+# The toy pipeline (python sft.py): a 0.9M-parameter model from scratch learns in minutes what a
+# 4B model is fine-tuned on; 3 epochs of the 6,000 toy trajectories made data/toy_sft.
+TOY = dict(model="toy", data="toy", out_dir="runs/toy/sft", epochs=3, batch_size=16, lr=2e-3,
+           max_len=2048, micro_batch_tokens=8192, eval_every=20, save_every=0,
+           gradient_checkpointing=False)
+RESUME_FIELDS = ("data", "epochs", "batch_size", "max_steps", "lr", "warmup_ratio", "max_len",
+                 "too_long", "eval_size", "seed")
 
 
 def parse_args(argv):
@@ -92,7 +96,8 @@ ROLES = ("system", "user", "assistant", "tool")
 
 def check_record(record, where):
     """-> (messages, tools), or a DataError naming the field that is wrong."""
-    if not isinstance(record, dict) or not isinstance(record.get("messages"), list) or not record["messages"]:
+    messages = record.get("messages") if isinstance(record, dict) else None
+    if not isinstance(messages, list) or not messages:
         raise DataError(f"{where}: messages: expected a non-empty list, got {str(record)[:80]}")
     messages, tools = record["messages"], record.get("tools")
     if isinstance(tools, str):  # parquet exports often keep the tool list as JSON text
@@ -100,43 +105,58 @@ def check_record(record, where):
             tools = json.loads(tools)
         except json.JSONDecodeError as e:
             raise DataError(f"{where}: tools: a string that is not valid JSON ({e})") from None
-    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+    schemas = isinstance(tools, list) and all(isinstance(t, dict) for t in tools)
+    if tools is not None and not schemas:
         raise DataError(f"{where}: tools: expected a list of tool schemas, got {str(tools)[:80]}")
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ROLES:
-            raise DataError(f"{where}: messages[{i}].role: expected one of {ROLES}, got {str(m)[:80]}")
-        if not (isinstance(m.get("content"), str) or (m.get("content") is None and m["role"] == "assistant")):
-            raise DataError(f"{where}: messages[{i}].content: expected a string, got {m.get('content')!r:.80}")
+            raise DataError(f"{where}: messages[{i}].role: expected one of {ROLES}, "
+                            f"got {str(m)[:80]}")
+        content = m.get("content")
+        if not (isinstance(content, str) or (content is None and m["role"] == "assistant")):
+            raise DataError(f"{where}: messages[{i}].content: expected a string, "
+                            f"got {content!r:.80}")
         for j, call in enumerate(m.get("tool_calls") or []):
+            name = f"{where}: messages[{i}].tool_calls[{j}].function"
             fn = call.get("function", call) if isinstance(call, dict) else None
-            if m["role"] != "assistant" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-                raise DataError(f"{where}: messages[{i}].tool_calls[{j}].function.name: expected a string "
-                                f"on an assistant message")
+            if m["role"] != "assistant" or not isinstance(fn, dict) \
+                    or not isinstance(fn.get("name"), str):
+                raise DataError(f"{name}.name: expected a string on an assistant message")
             if not isinstance(fn.get("arguments"), (str, dict)):
-                raise DataError(f"{where}: messages[{i}].tool_calls[{j}].function.arguments: expected an object")
-    if messages[0]["role"] == "assistant" or not any(m["role"] == "assistant" for m in messages):
-        raise DataError(f"{where}: messages: no assistant message after a prompt, so nothing to learn")
+                raise DataError(f"{name}.arguments: expected an object")
+    roles = [m["role"] for m in messages]
+    if roles[0] == "assistant" or "assistant" not in roles:
+        raise DataError(f"{where}: messages: no assistant message after a prompt, so nothing "
+                        f"to learn")
     return messages, tools
 
 
 def mark_content(chat, messages, tools, where):
-    """The messages with every added-token string in their text marked as text (rollout.ChatFormat.mark),
-    so it never becomes an added token, as the rollout treats tool output. A token the template itself reads
-    in a message stays for the template (Qwen3's hybrid template splits reasoning at </think> and writes the
-    think tags itself): marking it alone would change what the template renders."""
+    """The messages with every added-token string in their text marked as text
+    (rollout.ChatFormat.mark), so it never becomes an added token, as the rollout treats tool
+    output. A token the template itself reads in a message stays for the template (Qwen3's hybrid
+    template splits reasoning at </think> and writes the think tags itself): marking it alone
+    would change what the template renders."""
     marked = chat.mark_messages(messages)
     if marked == messages:  # no added-token string in any text: the common case
         return marked
-    real, text = chat.render(messages, tools=tools), json.dumps(messages, ensure_ascii=False)
+    real = chat.render(messages, tools=tools)
+    text = json.dumps(messages, ensure_ascii=False)
     if any(ord(c) in chat._unmark for c in text):
-        raise DataError(f"{where}: the text holds a character of U+F0000.., which marks added-token strings here")
+        raise DataError(f"{where}: the text holds a character of U+F0000.., which marks "
+                        f"added-token strings here")
+
+    def rendered(marked):
+        return chat.unmark(chat.render(marked, tools=tools))
+
     present = {t for t in chat.marks if t in text}
-    read = {t for t in present  # marking t alone changes the rendering: the template reads t
-            if chat.unmark(chat.render(chat.mark_messages(messages, present - {t}), tools=tools)) != real}
+    # marking t alone changes the rendering: the template reads t
+    read = {t for t in present if rendered(chat.mark_messages(messages, present - {t})) != real}
     marked = chat.mark_messages(messages, keep=read)
-    if chat.unmark(chat.render(marked, tools=tools)) != real:
-        raise DataError(f"{where}: the chat template renders the messages differently once the added-token strings "
-                        f"in their text ({sorted(present - read)}) are marked as plain text")
+    if rendered(marked) != real:
+        raise DataError(f"{where}: the chat template renders the messages differently once the "
+                        f"added-token strings in their text ({sorted(present - read)}) are marked "
+                        f"as plain text")
     return marked
 
 
@@ -144,9 +164,10 @@ def render(chat, messages, tools=None, where="record"):
     """-> (ids, mask, same_as_one_pass): the chat template's rendering as token ids, mask 1 on the
     assistant's own tokens (its text, tool calls, any think block the template writes into its
     turn, its end-of-turn token). chat: a rollout.ChatFormat, so the ids follow the rollout's rule
-    (message text is never an added token: a literal <|im_end|> in a tool's output or an answer stays
-    text and does not end the turn). The pieces between the cuts are tokenized one by one, as the rollout
-    builds ids; same_as_one_pass says whether one tokenizer pass over the text gives the same ids."""
+    (message text is never an added token: a literal <|im_end|> in a tool's output or an answer
+    stays text and does not end the turn). The pieces between the cuts are tokenized one by one,
+    as the rollout builds ids; same_as_one_pass says whether one tokenizer pass over the text
+    gives the same ids."""
     marked = mark_content(chat, messages, tools, where)
 
     def text(k, generation_prompt=False):
@@ -159,13 +180,14 @@ def render(chat, messages, tools=None, where="record"):
             continue
         prefix = text(i, generation_prompt=True)
         if not full.startswith(prefix):
-            j = next((j for j, (a, b) in enumerate(zip(prefix, full)) if a != b), min(len(prefix), len(full)))
-            raise DataError(f"{where}: messages[{i}]: the chat template renders the first messages differently "
-                            f"from the whole conversation (at character {j}: {prefix[j:j + 40]!r} vs "
-                            f"{full[j:j + 40]!r}); "
-                            f"the assistant mask needs a template whose earlier turns render the same in every "
-                            f"prefix (a template that drops earlier turns' reasoning needs each turn's reasoning "
-                            f"removed from the data, or a template without that rule)")
+            differ = (j for j, (a, b) in enumerate(zip(prefix, full)) if a != b)
+            j = next(differ, min(len(prefix), len(full)))
+            raise DataError(f"{where}: messages[{i}]: the chat template renders the first messages "
+                            f"differently from the whole conversation (at character {j}: "
+                            f"{prefix[j:j + 40]!r} vs {full[j:j + 40]!r}); the assistant mask "
+                            f"needs a template whose earlier turns render the same in every prefix "
+                            f"(a template that drops earlier turns' reasoning needs each turn's "
+                            f"reasoning removed from the data, or a template without that rule)")
         end = full.find(eot, len(prefix))
         if end < 0:
             raise DataError(f"{where}: messages[{i}]: the assistant turn is not closed by {eot!r}")
@@ -177,16 +199,19 @@ def render(chat, messages, tools=None, where="record"):
         ids += piece
         mask += [int((a, b) in spans)] * len(piece)
     real, tokenizer = chat.unmark(full), chat.tokenizer
-    if tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False) != real:
-        raise DataError(f"{where}: the ids tokenized piece by piece do not decode to the chat template's text")
+    decoded = tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    if decoded != real:
+        raise DataError(f"{where}: the ids tokenized piece by piece do not decode to the chat "
+                        f"template's text")
     return ids, mask, ids == tokenizer.encode(real, add_special_tokens=False)
 
 
 def load_data(path, tokenizer, cfg):
-    """Render every record; truncate or drop the too long ones -> (list of (ids, mask) tensors, stats)."""
+    """Render every record; truncate or drop the too long ones -> ([(ids, mask) tensors], stats)."""
     from rollout import ChatFormat
     chat = ChatFormat(tokenizer)
-    seqs, stats = [], dict(records=0, truncated=0, dropped_too_long=0, dropped_no_loss=0, retokenized=0)
+    seqs = []
+    stats = dict(records=0, truncated=0, dropped_too_long=0, dropped_no_loss=0, retokenized=0)
     for lineno, line in enumerate(open(path), 1):
         if not line.strip():
             continue
@@ -210,7 +235,8 @@ def load_data(path, tokenizer, cfg):
         seqs.append((torch.tensor(ids, dtype=torch.int32), torch.tensor(mask, dtype=torch.bool)))
     if not seqs:
         raise DataError(f"{path}: no usable trajectories ({stats})")
-    stats.update(tokens=sum(len(s[0]) for s in seqs), loss_tokens=sum(int(s[1][1:].sum()) for s in seqs),
+    stats.update(tokens=sum(len(s[0]) for s in seqs),
+                 loss_tokens=sum(int(s[1][1:].sum()) for s in seqs),
                  max_len=max(len(s[0]) for s in seqs))
     return seqs, stats
 
@@ -237,21 +263,24 @@ def plan(batch, lengths, world, budget):
         r = min(range(world), key=lambda r: (load[r], r))
         shares[r].append(i)
         load[r] += lengths[i]
-    micro = [[[share[j] for j in b] for b in pack([lengths[i] for i in share], budget)] for share in shares]
+    micro = [[[share[j] for j in b] for b in pack([lengths[i] for i in share], budget)]
+             for share in shares]
     most = max(len(m) for m in micro)
     return [m + [[]] * (most - len(m)) for m in micro]
 
 
 def micro_batch(seqs, device, pad_id=0):
-    """(ids, mask) pairs -> one packed row: input ids, next-token targets and their mask [1, N], cu_seqlens.
-    An empty list gives one pad token with nothing to learn."""
+    """(ids, mask) pairs -> one packed row: input ids, next-token targets and their mask [1, N],
+    cu_seqlens. The shift: position t predicts token t + 1, so the mask of token t + 1 goes with
+    position t. An empty list gives one pad token with nothing to learn."""
     seqs = seqs or [(torch.tensor([pad_id], dtype=torch.int32), torch.tensor([False]))]
     ids = torch.cat([s[0] for s in seqs]).long()
     # each sequence's last token predicts nothing: its target is a pad with mask 0
     targets = torch.cat([torch.cat([s[0][1:].long(), torch.tensor([pad_id])]) for s in seqs])
     mask = torch.cat([torch.cat([s[1][1:], torch.tensor([False])]) for s in seqs])
     cu = cu_seqlens_from_lengths([len(s[0]) for s in seqs])
-    return ids[None].to(device), targets[None].to(device), mask[None].float().to(device), cu.to(device)
+    return (ids[None].to(device), targets[None].to(device), mask[None].float().to(device),
+            cu.to(device))
 
 
 def packed_nll(model, mb):
@@ -263,8 +292,13 @@ def packed_nll(model, mb):
 def lr_lambda(cfg, total_steps):
     """Linear warmup over warmup_ratio of the steps, then cosine to zero (verl's schedule)."""
     warmup = int(cfg.warmup_ratio * total_steps)
-    return lambda step: (step + 1) / warmup if step < warmup else \
-        0.5 * (1.0 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total_steps - warmup))))
+
+    def factor(step):
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+    return factor
 
 
 def evaluate_loss(model, seqs, rank, world, budget, device):
@@ -276,23 +310,25 @@ def evaluate_loss(model, seqs, rank, world, budget, device):
         for group in plan(range(len(seqs)), [len(s[0]) for s in seqs], world, budget)[rank]:
             mb = micro_batch([seqs[i] for i in group], device)
             totals += torch.stack([packed_nll(model, mb).double(), mb[2].sum().double()])
-    dist.all_reduce(totals)
-    return float(totals[0] / totals[1])
+    nll, count = all_reduce(totals.tolist(), device)
+    return nll / count
 
 
 def data_order(n, seed, epoch):
-    return torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch)).tolist()
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    return torch.randperm(n, generator=generator).tolist()
 
 
 def inputs(cfg, rank):
-    """(base model dir, data file); the toy preset builds both on rank 0 (data/toy.py, data/tiny.py)."""
+    """(base model dir, data file); the toy preset builds both on rank 0 (data/toy.py,
+    data/tiny.py)."""
     if cfg.model == "toy" or cfg.data == "toy":
         from data import toy
         if rank == 0:
             toy.ensure(sft=True, base_dir=os.path.join(cfg.out_dir, "base"), seed=cfg.seed)
-        dist.barrier()
-        return (os.path.join(cfg.out_dir, "base") if cfg.model == "toy" else resolve_model(cfg.model),
-                toy.SFT_DATA if cfg.data == "toy" else cfg.data)
+        barrier()
+        base = os.path.join(cfg.out_dir, "base") if cfg.model == "toy" else resolve_model(cfg.model)
+        return base, toy.SFT_DATA if cfg.data == "toy" else cfg.data
     return resolve_model(cfg.model), cfg.data
 
 
@@ -302,13 +338,61 @@ def train(cfg):
     if cfg.too_long not in ("truncate", "drop"):
         raise ValueError(f"too_long must be 'truncate' or 'drop', got {cfg.too_long!r}")
     if cfg.micro_batch_tokens < cfg.max_len:
-        raise ValueError(f"micro_batch_tokens ({cfg.micro_batch_tokens}) must be >= max_len ({cfg.max_len})")
+        raise ValueError(f"micro_batch_tokens ({cfg.micro_batch_tokens}) must be >= max_len "
+                         f"({cfg.max_len})")
     with distributed(cfg.device) as (rank, world, device, sharded):
         return _train(cfg, rank, world, device, sharded)
 
 
+@dataclass
+class Run:
+    """What the loop works with, built once by setup()."""
+    cfg: Config
+    rank: int
+    world: int
+    device: torch.device
+    base_path: str
+    tokenizer: object
+    train_seqs: list           # (ids, mask) tensors
+    eval_seqs: list
+    lengths: list              # of train_seqs
+    steps_per_epoch: int
+    total_steps: int
+    step: int                  # the steps done (> 0 after a resume)
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    metrics: Metrics
+
+
 def _train(cfg, rank, world, device, sharded):
     from tqdm import tqdm
+    run = setup(cfg, rank, world, device, sharded)
+    if run.step == 0:
+        held_out(run, 0)
+    bar = tqdm(total=run.total_steps, initial=run.step, disable=not (rank == 0 and cfg.progress),
+               desc="sft")
+    path, run_tokens, run_time = None, 0, 0.0
+    while run.step < run.total_steps:
+        t_step = time.time()
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        epoch, batch, micro = step_batch(run)
+        loss_sum, loss_tokens = forward_backward(run, batch, micro)
+        grad_norm, lr = optimizer_step(run)
+        entry = log_step(run, epoch, batch, micro, loss_sum, loss_tokens, grad_norm, lr, t_step,
+                         bar)
+        run_tokens, run_time = run_tokens + entry["tokens"], run_time + entry["seconds"]
+        if cfg.eval_every and run.step % cfg.eval_every == 0 and run.step != run.total_steps:
+            held_out(run, run.step)
+        path = save(run) or path
+    bar.close()
+    return finish(run, path, run_tokens, run_time)
+
+
+def setup(cfg, rank, world, device, sharded):
+    """Data (rendered, a held-out split chosen by seed, the short last batch dropped), model,
+    optimizer and schedule (resumed when asked), the metrics file."""
     from transformers import AutoTokenizer
     if rank == 0:
         os.makedirs(cfg.out_dir, exist_ok=True)
@@ -316,41 +400,40 @@ def _train(cfg, rank, world, device, sharded):
             if name.startswith(".tmp_step_"):
                 shutil.rmtree(os.path.join(cfg.out_dir, name), ignore_errors=True)
     if checkpoints(cfg.out_dir) and not cfg.resume:
-        raise SystemExit(f"{cfg.out_dir} already holds checkpoints; pass --resume to continue that run, "
-                         f"or choose another --out_dir")
+        raise SystemExit(f"{cfg.out_dir} already holds checkpoints; pass --resume to continue "
+                         f"that run, or choose another --out_dir")
     base_path, data_path = inputs(cfg, rank)
     tokenizer = AutoTokenizer.from_pretrained(base_path)
 
-    # data: render everything, hold out a small split chosen by seed, drop the short last batch
     t0 = time.time()
     seqs, stats = load_data(data_path, tokenizer, cfg)
     split = data_order(len(seqs), cfg.seed, -1)
     n_eval = min(cfg.eval_size, len(seqs) // 2)
-    eval_seqs, train_seqs = [seqs[i] for i in split[:n_eval]], [seqs[i] for i in sorted(split[n_eval:])]
-    lengths = [len(s[0]) for s in train_seqs]
+    eval_seqs = [seqs[i] for i in split[:n_eval]]
+    train_seqs = [seqs[i] for i in sorted(split[n_eval:])]
     steps_per_epoch = len(train_seqs) // cfg.batch_size
     if steps_per_epoch == 0:
-        raise SystemExit(f"{data_path}: {len(train_seqs)} training records, fewer than one batch of {cfg.batch_size}")
+        raise SystemExit(f"{data_path}: {len(train_seqs)} training records, fewer than one batch "
+                         f"of {cfg.batch_size}")
     total_steps = min(steps_per_epoch * cfg.epochs, cfg.max_steps or 1 << 62)
-    print0(f"data {data_path}: {stats['records']} records -> {len(train_seqs)} train + {n_eval} held out, "
-           f"{stats['tokens']} tokens ({stats['loss_tokens']} assistant), longest {stats['max_len']}; "
-           f"{stats['truncated']} truncated, {stats['dropped_too_long']} dropped as too long, "
-           f"{stats['dropped_no_loss']} without assistant tokens; {stats['retokenized']} tokenized differently "
-           f"in one pass ({time.time() - t0:.1f}s)")
+    print0(f"data {data_path}: {stats['records']} records -> {len(train_seqs)} train + {n_eval} "
+           f"held out, {stats['tokens']} tokens ({stats['loss_tokens']} assistant), longest "
+           f"{stats['max_len']}; {stats['truncated']} truncated, {stats['dropped_too_long']} "
+           f"dropped as too long, {stats['dropped_no_loss']} without assistant tokens; "
+           f"{stats['retokenized']} tokenized differently in one pass ({time.time() - t0:.1f}s)")
 
     model = build_model(base_path, device, sharded)
-    model.attn_backend, model.gradient_checkpointing = cfg.attn_backend, cfg.gradient_checkpointing
-    fsdp = is_fsdp(model)
+    model.attn_backend = cfg.attn_backend
+    model.gradient_checkpointing = cfg.gradient_checkpointing
     model.train()
     if device.type == "cuda" or cfg.attn_backend == "flash":
         print0(attention_path(cfg.attn_backend, device, compute_dtype(device)))
-    save_dtype = DTYPES[model.config.dtype if cfg.save_dtype == "auto" else cfg.save_dtype]
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                                   weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, total_steps))
-    print0(f"model {base_path}: {model.num_params() / 1e6:.1f}M parameters, {world} rank(s) on {device.type}, "
-           f"{total_steps} steps of {cfg.batch_size} trajectories ({steps_per_epoch} per epoch)")
-
+    print0(f"model {base_path}: {model.num_params() / 1e6:.1f}M parameters, {world} rank(s) on "
+           f"{device.type}, {total_steps} steps of {cfg.batch_size} trajectories "
+           f"({steps_per_epoch} per epoch)")
     step, resume_from = 0, latest_resumable(cfg.out_dir) if cfg.resume else None
     if resume_from:
         trainer = load_checkpoint(resume_from, model, optimizer)
@@ -359,72 +442,96 @@ def _train(cfg, rank, world, device, sharded):
         step = trainer["step"]
         print0(f"resumed from {resume_from} at step {step}")
     metrics = Metrics(os.path.join(cfg.out_dir, "metrics.jsonl"), cfg, step)
-    log = metrics.log
+    return Run(cfg, rank, world, device, base_path, tokenizer, train_seqs, eval_seqs,
+               [len(s[0]) for s in train_seqs], steps_per_epoch, total_steps, step, model,
+               optimizer, scheduler, metrics)
 
-    def held_out(at):
-        loss = evaluate_loss(model, eval_seqs, rank, world, cfg.micro_batch_tokens, device)
-        if loss is not None:
-            log(event="eval", step=at, eval_loss=loss)
-        return loss
 
-    if step == 0:
-        held_out(0)
-    bar = tqdm(total=total_steps, initial=step, disable=not (rank == 0 and cfg.progress), desc="sft")
-    path, run_tokens, run_time = None, 0, 0.0
-    while step < total_steps:
-        t_step = time.time()
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        epoch, index = divmod(step, steps_per_epoch)
-        batch = data_order(len(train_seqs), cfg.seed, epoch)[index * cfg.batch_size:(index + 1) * cfg.batch_size]
-        micro = plan(batch, lengths, world, cfg.micro_batch_tokens)
-        loss_tokens = sum(int(train_seqs[i][1][1:].sum()) for i in batch)  # the whole global batch's
-        nll_sum = torch.zeros((), dtype=torch.float64, device=device)
-        for k, group in enumerate(micro[rank]):
-            if fsdp:  # reduce-scatter the gradients once, after the last micro-batch
-                model.set_requires_gradient_sync(k == len(micro[rank]) - 1)
-            nll = packed_nll(model, micro_batch([train_seqs[i] for i in group], device))
-            # FSDP averages gradients over ranks; scaling by world makes them a sum over ranks
-            (nll * (world / loss_tokens)).backward()
-            nll_sum += nll.detach().double()
-        grad_norm = clip_grads(model, cfg.grad_clip)
-        lr = scheduler.get_last_lr()[0]
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        dist.all_reduce(nll_sum)
-        step += 1
-        seconds, tokens = time.time() - t_step, sum(lengths[i] for i in batch)
-        run_tokens, run_time = run_tokens + tokens, run_time + seconds
-        # ranks run their micro-batches in lockstep: each costs what the largest over ranks costs
-        slots = world * sum(max(sum(lengths[i] for i in micro[r][k]) for r in range(world))
-                            for k in range(len(micro[0])))
-        entry = dict(event="train", step=step, epoch=epoch, loss=float(nll_sum) / loss_tokens, lr=lr,
-                     grad_norm=grad_norm, tokens=tokens, loss_tokens=loss_tokens, micro_batches=len(micro[0]),
-                     padding_waste=1 - tokens / slots,
-                     budget_fill=tokens / (len(micro[0]) * world * cfg.micro_batch_tokens),
-                     tokens_per_s=tokens / seconds, seconds=seconds)
-        if device.type == "cuda":
-            entry["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-        log(**entry)
-        bar.update(1)
-        bar.set_postfix(loss=f"{entry['loss']:.4f}", lr=f"{lr:.2e}", tok_s=f"{entry['tokens_per_s']:.0f}")
-        if not cfg.progress and step % cfg.log_every == 0:
-            print0(f"step {step}/{total_steps} loss {entry['loss']:.4f} lr {lr:.2e} grad norm {grad_norm:.3f} "
-                   f"{entry['tokens_per_s']:.0f} tok/s, waste {entry['padding_waste']:.1%}")
-        if cfg.eval_every and step % cfg.eval_every == 0 and step != total_steps:
-            held_out(step)
-        if (cfg.save_every and step % cfg.save_every == 0) or step == total_steps:
-            trainer = dict(config=asdict(cfg), scheduler=scheduler.state_dict())
-            path = save_checkpoint(cfg.out_dir, step, model, optimizer, tokenizer, trainer, base_path, save_dtype,
-                                   cfg.keep_train_state)
-    bar.close()
-    eval_loss = held_out(step) if path else None
-    path = path or checkpoints(cfg.out_dir)[-1][1]  # a resumed, finished run has nothing to train
-    log(event="end", step=step, checkpoint=path, eval_loss=eval_loss,
-        tokens_per_s=run_tokens / run_time if run_time else None)
-    print0(f"done: {step} steps, held-out loss {eval_loss}, checkpoint {path}")
-    metrics.finish(dict(steps=step, eval_loss=eval_loss))
+def held_out(run, at):
+    loss = evaluate_loss(run.model, run.eval_seqs, run.rank, run.world,
+                         run.cfg.micro_batch_tokens, run.device)
+    if loss is not None:
+        run.metrics.log(event="eval", step=at, eval_loss=loss)
+    return loss
+
+
+def step_batch(run):
+    """The step's global batch (a seeded permutation per epoch) and every rank's micro-batches."""
+    epoch, index = divmod(run.step, run.steps_per_epoch)
+    size = run.cfg.batch_size
+    batch = data_order(len(run.train_seqs), run.cfg.seed, epoch)[index * size:(index + 1) * size]
+    micro = plan(batch, run.lengths, run.world, run.cfg.micro_batch_tokens)
+    return epoch, batch, micro
+
+
+def forward_backward(run, batch, micro):
+    """This rank's micro-batches, forward and backward; the gradient is the token mean over every
+    assistant token of the global batch (each micro-batch's summed NLL / the batch's count; x world
+    because FSDP2 averages over the ranks: common.build_model). -> (summed NLL, token count)."""
+    loss_tokens = sum(int(run.train_seqs[i][1][1:].sum()) for i in batch)  # the whole batch's
+    nll_sum = torch.zeros((), dtype=torch.float64, device=run.device)
+    mine = micro[run.rank]
+    for k, group in enumerate(mine):
+        if is_fsdp(run.model):  # reduce-scatter the gradients once, after the last micro-batch
+            run.model.set_requires_gradient_sync(k == len(mine) - 1)
+        nll = packed_nll(run.model, micro_batch([run.train_seqs[i] for i in group], run.device))
+        (nll * (run.world / loss_tokens)).backward()
+        nll_sum += nll.detach().double()
+    return all_reduce([float(nll_sum)], run.device)[0], loss_tokens
+
+
+def optimizer_step(run):
+    grad_norm = clip_grads(run.model, run.cfg.grad_clip)
+    lr = run.scheduler.get_last_lr()[0]
+    run.optimizer.step()
+    run.scheduler.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    run.step += 1
+    return grad_norm, lr
+
+
+def log_step(run, epoch, batch, micro, loss_sum, loss_tokens, grad_norm, lr, t_step, bar):
+    cfg, world, lengths = run.cfg, run.world, run.lengths
+    seconds, tokens = time.time() - t_step, sum(lengths[i] for i in batch)
+    # ranks run their micro-batches in lockstep: each costs what the largest over ranks costs
+    slots = world * sum(max(sum(lengths[i] for i in micro[r][k]) for r in range(world))
+                        for k in range(len(micro[0])))
+    entry = dict(event="train", step=run.step, epoch=epoch, loss=loss_sum / loss_tokens, lr=lr,
+                 grad_norm=grad_norm, tokens=tokens, loss_tokens=loss_tokens,
+                 micro_batches=len(micro[0]), padding_waste=1 - tokens / slots,
+                 budget_fill=tokens / (len(micro[0]) * world * cfg.micro_batch_tokens),
+                 tokens_per_s=tokens / seconds, seconds=seconds)
+    if run.device.type == "cuda":
+        entry["peak_memory_gib"] = torch.cuda.max_memory_allocated(run.device) / 2**30
+    run.metrics.log(**entry)
+    bar.update(1)
+    bar.set_postfix(loss=f"{entry['loss']:.4f}", lr=f"{lr:.2e}",
+                    tok_s=f"{entry['tokens_per_s']:.0f}")
+    if not cfg.progress and run.step % cfg.log_every == 0:
+        print0(f"step {run.step}/{run.total_steps} loss {entry['loss']:.4f} lr {lr:.2e} grad norm "
+               f"{grad_norm:.3f} {entry['tokens_per_s']:.0f} tok/s, waste "
+               f"{entry['padding_waste']:.1%}")
+    return entry
+
+
+def save(run):
+    """A checkpoint every save_every steps and after the last; its path, or None."""
+    cfg = run.cfg
+    if not ((cfg.save_every and run.step % cfg.save_every == 0) or run.step == run.total_steps):
+        return None
+    save_dtype = DTYPES[run.model.config.dtype if cfg.save_dtype == "auto" else cfg.save_dtype]
+    trainer = dict(config=asdict(cfg), scheduler=run.scheduler.state_dict())
+    return save_checkpoint(cfg.out_dir, run.step, run.model, run.optimizer, run.tokenizer,
+                           trainer, run.base_path, save_dtype, cfg.keep_train_state)
+
+
+def finish(run, path, run_tokens, run_time):
+    eval_loss = held_out(run, run.step) if path else None
+    path = path or checkpoints(run.cfg.out_dir)[-1][1]  # a resumed, finished run trained nothing
+    run.metrics.log(event="end", step=run.step, checkpoint=path, eval_loss=eval_loss,
+                    tokens_per_s=run_tokens / run_time if run_time else None)
+    print0(f"done: {run.step} steps, held-out loss {eval_loss}, checkpoint {path}")
+    run.metrics.finish(dict(steps=run.step, eval_loss=eval_loss))
     return path
 
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import rl
+from conftest import spy_collectives
 from rl import Config, group_advantages, grpo_tcr_loss, overlong_penalty, shape_reward
 
 
@@ -327,11 +328,18 @@ def reference_run(tool_policy, tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(rollout.Engine, "__init__", made)
         mp.setattr(rollout, "rollout", rolled)
+        spy_collectives(mp, SPY["collectives"])
         summary = rl.train(cfg)
     return str(out), summary
 
 
-SPY = {"engines": [], "rollouts": []}
+SPY = {"engines": [], "rollouts": [], "collectives": []}
+
+
+def test_a_one_process_run_calls_no_collective(reference_run):
+    """Two steps with evaluations and checkpoints in one process: no collective on the group of one
+    (before: all_reduce, all_gather_object, broadcast_object_list, barrier, and dcp's own)."""
+    assert SPY["collectives"] == []
 
 
 def test_two_steps_single_process(reference_run, tool_policy):

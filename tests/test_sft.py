@@ -12,7 +12,7 @@ import torch
 
 import sft
 from rollout import ChatFormat
-from common import checkpoints
+from checkpoint import checkpoints
 from model import Transformer
 from data.prompts import CODE_INTERPRETER as TOOL_SCHEMA
 
@@ -238,7 +238,7 @@ def one_thread():
     torch.set_num_threads(n)
 
 
-def test_kill_and_resume_matches_uninterrupted(tiny_ckpt, tmp_path, one_thread):
+def test_kill_and_resume_matches_uninterrupted(tiny_ckpt, tmp_path, one_thread, one_rank_collectives):
     data = write_fixture(tmp_path / "d.jsonl", 40, seed=4)
     common = dict(epochs=2, batch_size=8, eval_size=4, eval_every=3)  # 8 steps: 36 // 8 per epoch, as verl
     whole = config(tiny_ckpt, data, tmp_path / "whole", **common)
@@ -274,6 +274,7 @@ def test_kill_and_resume_matches_uninterrupted(tiny_ckpt, tmp_path, one_thread):
     with pytest.raises(SystemExit, match="batch_size is 4 but the checkpoint was made with 8"):
         sft.train(changed)
     assert not [n for n in os.listdir(parts.out_dir) if n.startswith(".tmp")]
+    assert one_rank_collectives == []  # training, saving and resuming in one process: no collective
 
 
 def test_overfits_a_handful_of_trajectories(tiny_ckpt, tmp_path):

@@ -1,0 +1,125 @@
+"""checkpoint.py: one checkpoint writer and reader for both trainers. A checkpoint is a Hugging
+Face directory (what evaluate.py and the next stage load) plus train_state/ (sharded weights and
+optimizer, each rank's RNG, the trainer's dict) for an exact resume; written under a temporary
+name and renamed once complete, so a killed run leaves the previous one whole."""
+
+import os
+import random
+import shutil
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from common import barrier, broadcast_object, world_size
+
+
+def check_resume(saved, current, fields_that_matter, allow):
+    """Refuse to resume a run whose saved config differs in a field that changes the data order
+    or the schedule, naming it, unless `allow` (the --resume_override flag)."""
+    for name in fields_that_matter:
+        if saved.get(name) != current.get(name) and not allow:
+            raise SystemExit(f"--resume: {name} is {current.get(name)!r} but the checkpoint was "
+                             f"made with {saved.get(name)!r}; pass --resume_override=true to "
+                             f"continue anyway")
+
+
+def checkpoints(out_dir, resumable=False):
+    """[(step, path)] of the complete checkpoints in out_dir, oldest first."""
+    found = []
+    for name in (os.listdir(out_dir) if os.path.isdir(out_dir) else []):
+        if not (name.startswith("step_") and name[5:].isdigit()):
+            continue
+        path = os.path.join(out_dir, name)
+        if not resumable or os.path.exists(os.path.join(path, "train_state", "trainer.pt")):
+            found.append((int(name[5:]), path))
+    return sorted(found)
+
+
+def latest_resumable(out_dir):
+    """Rank 0's newest resumable checkpoint, the same on every rank (None when there is none).
+    Every rank then reads its shard from it: with --nnodes > 1, out_dir must be on a shared
+    filesystem."""
+    found = checkpoints(out_dir, resumable=True)[-1:] if dist.get_rank() == 0 else None
+    found = broadcast_object(found)
+    return found[0][1] if found else None
+
+
+def save_checkpoint(out_dir, step, model, optimizer, tokenizer, trainer, base_path=None,
+                    dtype=None, keep=1):
+    """out_dir/step_NNNNNN: a Hugging Face directory (full weights gathered on rank 0's CPU) plus
+    train_state/ (fp32 weights and optimizer sharded by torch.distributed.checkpoint, each rank's
+    RNG, the trainer dict). Written into .tmp_step_NNNNNN and renamed once complete, so a kill
+    leaves the previous checkpoint; out_dir/final then points at it. Only the newest `keep`
+    checkpoints keep their train_state. A collective: every rank calls it."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_state_dict)
+    from model import Transformer
+    rank = dist.get_rank()
+    name = f"step_{step:06d}"
+    final, tmp = os.path.join(out_dir, name), os.path.join(out_dir, ".tmp_" + name)
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(os.path.join(tmp, "train_state"))
+    barrier()
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    full = get_model_state_dict(model, options=options)
+    if rank == 0:  # the HF directory: the gathered weights assigned into a model built on meta
+        with torch.device("meta"):
+            hf = Transformer(model.config)
+        hf.load_state_dict(full, assign=True, strict=False)
+        hf.tie_weights()
+        (hf.to(dtype) if dtype else hf).save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        if base_path and os.path.exists(os.path.join(base_path, "generation_config.json")):
+            shutil.copy(os.path.join(base_path, "generation_config.json"), tmp)
+    del full
+    weights, optim = get_state_dict(model, optimizer)
+    with warnings.catch_warnings():  # no_dist says "assuming ... a single process": it is one
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save({"model": weights, "optim": optim},
+                 checkpoint_id=os.path.join(tmp, "train_state", "dcp"), no_dist=world_size() == 1)
+    torch.save(dict(python=random.getstate(), torch=torch.get_rng_state(),
+                    cuda=torch.cuda.get_rng_state() if torch.cuda.is_available() else None),
+               os.path.join(tmp, "train_state", f"rng_rank{rank}.pt"))
+    barrier()
+    if rank == 0:
+        # written last: it marks the checkpoint complete
+        torch.save(dict(trainer, step=step), os.path.join(tmp, "train_state", "trainer.pt"))
+        if os.path.exists(final):  # re-saving a step: move the old one aside (renames are atomic)
+            os.rename(final, final + ".old")
+        os.rename(tmp, final)
+        shutil.rmtree(final + ".old", ignore_errors=True)
+        for _, old in checkpoints(out_dir, resumable=True)[:-max(1, keep)]:
+            shutil.rmtree(os.path.join(old, "train_state"), ignore_errors=True)
+        link = os.path.join(out_dir, ".final.tmp")
+        if os.path.lexists(link):
+            os.remove(link)
+        os.symlink(name, link)
+        os.replace(link, os.path.join(out_dir, "final"))
+    barrier()  # nobody reads or resumes before rank 0 has finished writing
+    return final
+
+
+def load_checkpoint(path, model, optimizer):
+    """Restore what save_checkpoint wrote into the live (possibly sharded) model and optimizer
+    and this rank's RNG; returns the trainer dict."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    weights, optim = get_state_dict(model, optimizer)
+    state = {"model": weights, "optim": optim}
+    with warnings.catch_warnings():  # no_dist says "assuming ... a single process": it is one
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=os.path.join(path, "train_state", "dcp"),
+                 no_dist=world_size() == 1)
+    set_state_dict(model, optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"])
+    rng = os.path.join(path, "train_state", f"rng_rank{dist.get_rank()}.pt")
+    if os.path.exists(rng):  # absent when resuming on more ranks than were saved
+        rng = torch.load(rng, weights_only=False)
+        random.setstate(rng["python"])
+        torch.set_rng_state(rng["torch"])
+        if rng.get("cuda") is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])
+    return torch.load(os.path.join(path, "train_state", "trainer.pt"), weights_only=False)

@@ -1,0 +1,123 @@
+"""runlog.py: what a run leaves behind to be watched by: metrics.jsonl lines that survive a
+resume (and the same numbers in Weights & Biases), kept trajectories for scripts/view.py, the
+learning curve printed at the end of rl.py."""
+
+import gzip
+import json
+import os
+import secrets
+from dataclasses import asdict
+
+import torch.distributed as dist
+
+
+class Metrics:
+    """out_dir/metrics.jsonl on rank 0 (path None: no file; out_dir: where wandb writes). A resumed
+    run first drops the lines past its step (written after the checkpoint it resumes from), so no
+    step appears twice. With config.wandb_project set, rank 0 also logs to Weights & Biases: the
+    config once, every line's numbers under the same names ("time": {"rollout": s} as
+    time/rollout), the final summary; a resumed run continues the same wandb run."""
+
+    def __init__(self, path, config, step=0, out_dir=None):
+        rank0 = not dist.is_initialized() or dist.get_rank() == 0
+        self.path, self.wandb = path if rank0 else None, None
+        if rank0 and getattr(config, "wandb_project", ""):
+            self.wandb = start_wandb(config, out_dir or os.path.dirname(path), step)
+        if self.path is None:
+            return
+        kept = []
+        if step and os.path.exists(path):
+            for line in open(path):
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # a line torn by the kill
+                if rec.get("step", 0) <= step:
+                    kept.append(line if line.endswith("\n") else line + "\n")
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(path + ".tmp", "w") as f:
+            f.writelines(kept)
+        os.replace(path + ".tmp", path)
+        self.log(event="resume" if step else "start", step=step, config=asdict(config))
+
+    def log(self, **record):
+        if self.path:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+        numbers = flat_numbers({k: v for k, v in record.items() if k not in ("step", "config")})
+        if self.wandb and numbers:
+            self.wandb.log(numbers, step=record.get("step", 0))
+
+    def finish(self, summary=None):
+        """The run's summary into wandb (its numbers), and the wandb run closed."""
+        if self.wandb:
+            self.wandb.summary.update(flat_numbers(summary or {}))
+            self.wandb.finish()
+            self.wandb = None
+
+
+def flat_numbers(record, prefix=""):
+    """{"time": {"rollout": 1.5}, "event": "step"} -> {"time/rollout": 1.5}: the numbers, nested
+    names joined by /."""
+    out = {}
+    for key, value in record.items():
+        if isinstance(value, dict):
+            out.update(flat_numbers(value, f"{prefix}{key}/"))
+        elif isinstance(value, (int, float)):  # bools too; strings and None are not plotted
+            out[prefix + key] = value
+    return out
+
+
+def start_wandb(config, out_dir, step):
+    """wandb.init on rank 0: project config.wandb_project, name config.wandb_run; the run's id kept
+    in out_dir/wandb_run_id, so a resumed run (step > 0) continues the same wandb run."""
+    try:
+        import wandb
+    except ImportError:
+        raise SystemExit("--wandb_project needs the wandb package: pip install wandb") from None
+    id_file = os.path.join(out_dir, "wandb_run_id")
+    if step and os.path.exists(id_file):
+        run_id = open(id_file).read().strip()
+    else:
+        run_id = secrets.token_hex(4)
+    os.makedirs(out_dir, exist_ok=True)
+    with open(id_file, "w") as f:
+        f.write(run_id)
+    return wandb.init(project=config.wandb_project, name=getattr(config, "wandb_run", "") or None,
+                      id=run_id, resume="allow", dir=out_dir, config=asdict(config))
+
+
+def write_trajectories(out_dir, step, records):
+    """records (rank 0's gathered list) into out_dir/trajectories/step_NNNNNN.jsonl.gz, by
+    problem and sample, one compact JSON line each (what `python scripts/view.py out_dir` reads)."""
+    folder = os.path.join(out_dir, "trajectories")
+    os.makedirs(folder, exist_ok=True)
+    with gzip.open(os.path.join(folder, f"step_{step:06d}.jsonl.gz"), "wt", encoding="utf-8") as f:
+        for r in sorted(records, key=lambda r: (r["problem_index"], r["sample_index"])):
+            f.write(json.dumps(r, ensure_ascii=False, separators=(",", ":")) + "\n")
+
+
+def learning_curve(out_dir):
+    """Reward, training accuracy and tool calls per trajectory by step, from metrics.jsonl, as a
+    table, and as out_dir/learning_curve.png when matplotlib (optional) is installed."""
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        rows = [r for r in map(json.loads, f) if r.get("event") == "step"]
+    keys = {"reward": "mean reward", "accuracy": "accuracy of the step's samples",
+            "tool_calls_per_traj": "tool calls per trajectory"}
+    lines = ["step  " + "  ".join(f"{k:>19}" for k in keys)]
+    lines += [f"{r['step']:>4}  " + "  ".join(f"{r[k]:>19.3f}" for k in keys) for r in rows]
+    table = "\n".join(lines)
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return table
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.2))
+    for ax, (k, title) in zip(axes, keys.items()):
+        ax.plot([r["step"] for r in rows], [r[k] for r in rows])
+        ax.set(xlabel="step", title=title)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "learning_curve.png"), dpi=100)
+    plt.close(fig)
+    return table
