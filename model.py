@@ -16,7 +16,6 @@ over packed sequences), so their log-probs agree to rounding, not bit for bit: r
 difference (mismatch_*). attention_path() says which kernels run here and why.
 """
 
-import contextlib
 import json
 import os
 from dataclasses import dataclass, field, fields
@@ -199,31 +198,6 @@ class Linear(nn.Linear):
         else:
             out = torch.addmm(self.bias, flat, self.weight_t)
         return out.view(*x.shape[:-1], out.shape[-1])
-
-
-def transposed_weights(module, old=None):
-    """{Linear in module: (version, contiguous [in, out] copy of its weight)}, for `transposed`;
-    entries of `old` whose weight is unchanged (same storage, same version counter) are reused, the
-    others remade."""
-    new = {}
-    # old holds the same modules: no walk of the module tree
-    for m in old or [m for m in module.modules() if isinstance(m, Linear)]:
-        w = m.weight
-        version = (w.data_ptr(), -1 if w.is_inference() else w._version)
-        new[m] = old[m] if old and old[m][0] == version else (version, w.detach().t().contiguous())
-    return new
-
-
-@contextlib.contextmanager
-def transposed(copies):
-    """Inside, each Linear of `copies` multiplies by its transposed copy."""
-    for m, (_, wt) in copies.items():
-        m.__dict__["weight_t"] = wt  # not Module.__setattr__: this runs every decode step
-    try:
-        yield
-    finally:
-        for m in copies:
-            m.__dict__.pop("weight_t", None)
 
 
 class Attention(nn.Module):

@@ -1,28 +1,37 @@
 """rollout.py: a paged-KV batched sampler and the multi-turn agent loop with tools.
 
-`generate` / `complete`: token-id prompts in, new ids (and log-probs) out, through an `Engine`: K/V in
-fixed-size blocks with a block table per sequence (PagedKVCache; RowKVCache and FlashKVCache are its two
-fast paths), full prompt blocks shared by reference count (the n samples of a prompt prefill it once),
-continuous batching, preemption by recompute when blocks run out. The pool is sized once: keep one Engine
-per process (rl.py and evaluate.py do). Sampling: greedy at temperature 0, else temperature, top-k, top-p
-and a float64 inverse CDF fed by each sequence's own seeded generator, whose stream does not depend on
-batching, preemption or tool timing; the logits do in their last bits (CPU fp32: the same tokens,
+`generate` / `complete`: token-id prompts in, new ids (and log-probs) out, through an `Engine`
+(continuous batching over PagedKVCache, the reference path; its fast paths, in fastkv.py, change
+only where K/V is read from; keep one Engine per process). The tokens do not depend on batching,
+preemption or tool timing (`sample`); the logits do in their last bits (CPU fp32: the same tokens,
 log-probs within 1e-5; CUDA bf16: tokens may differ with the batch shape).
 
-`rollout(model, tokenizer, problems, RolloutConfig(n=16))`: the prompt is [system] + user rendered with
-every tool of TOOLS (the code interpreter; a fork adds its own, see Tool). A turn that ends with the
-end-of-turn token and holds `<tool_call>` blocks (found as verl's Hermes parser finds them, inside <think>
-too) sends its first max_parallel_calls calls to their tools as Futures while the other trajectories keep
-decoding. The reply (mask 0) is the template's rendering of the tool messages; message text never becomes
-an added token (ChatFormat). Token in, token out. Another end id (<|endoftext|>) ends the trajectory.
+`rollout(model, tokenizer, problems, RolloutConfig(n=16))`: the prompt is [system] + user rendered
+with every tool of TOOLS (the code interpreter; a fork adds its own, see Tool). A turn that ends
+with the end-of-turn token and holds `<tool_call>` blocks (found as verl's Hermes parser finds them,
+inside <think> too) sends its first max_parallel_calls calls to their tools as Futures while the
+other trajectories keep decoding. The reply (mask 0) is the template's rendering of the tool
+messages; message text never becomes an added token (ChatFormat). Token in, token out. Another end
+id (<|endoftext|>) ends the trajectory.
+
+A trajectory's ids and mask. loss_mask and logprobs hold one entry per response token (the ids are
+prompt_ids + response_ids). Only Sequence.append writes them (sampled: 1 and the sampler's log-prob;
+forced: 0 and 0.0), called by Engine.step (each sampled token: 1), Engine.resume (a tool reply
+forced after a turn: 0) and AgentLoop._answer (a reply cut at the response budget: 0). Which ids are
+forced is ChatFormat's: forced_ids fills the template pieces (ChatFormat.pieces) that follow an
+assistant's end-of-turn token, up to the next generation prompt; that end-of-turn token itself was
+sampled (1). Agent.trajectory copies the mask to Trajectory.loss_mask, rl.py to its sample's "mask"
+(sft.py makes its own: sft.render). The trainer shifts it (rl.micro_tensors): position t predicts
+token t + 1, so mask entry i (response token i, at position prompt_len + i) belongs to the target at
+position prompt_len - 1 + i. Only sampled tokens (mask 1) count in the loss; forced tool-reply
+tokens (mask 0) add nothing to loss or gradient.
 
 Departures from the paper (vLLM inside verl's agent loop): plain PyTorch, no cache of freed prefix
-blocks; a malformed call gets a short error reply (status bad_call) where verl drops it; a reply that
-would cross the response budget is cut there.
+blocks; a malformed call gets a short error reply (status bad_call) where verl drops it; a reply
+that would cross the response budget is cut there.
 """
 
 import concurrent.futures
-import functools
 import itertools
 import json
 import os
@@ -33,8 +42,10 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
+import fastkv
 from data.prompts import CODE_INTERPRETER
-from model import flash_attn_varlen_func, flash_attn_with_kvcache, transposed, transposed_weights, use_flash
+from fastkv import upload
+from model import use_flash
 
 
 @dataclass
@@ -45,13 +56,13 @@ class RolloutConfig:
     top_k: int = 0                     # 0: off
     max_prompt_tokens: int = 2560      # a longer prompt is an error (filter the data)
     max_response_tokens: int = 20480   # counts the forced tool-reply tokens too
-    max_turns: int = 16                # assistant turns; a call in the last one is not run ("max_turns")
+    max_turns: int = 16                # assistant turns; a call in the last isn't run ("max_turns")
     tool_output_chars: int = 256       # tool output cut to this many characters (head + tail)
     tool_timeout: float = 10.0
     tool_memory_mb: int = 1024
     seed: int | None = None
-    max_parallel_calls: int = 1        # calls run per turn (verl's default); later ones get no reply
-    enable_thinking: str = "default"   # the chat template's switch (Qwen3 hybrid): default (its own) | true | false
+    max_parallel_calls: int = 1        # calls run per turn (verl's default); the rest get no reply
+    enable_thinking: str = "default"   # the template's switch (Qwen3 hybrid): default|true|false
 
 
 @dataclass
@@ -63,8 +74,7 @@ class Trajectory:
     loss_mask: list[int]       # 1 on sampled tokens, 0 on forced tool-reply tokens
     logprobs: list[float]      # sampler log-probs, 0.0 where mask is 0
     text: str                  # decoded response (tool replies included, special tokens kept)
-    tool_calls: list[dict]     # {"name", "arguments", "status", "output", "turn"}; status: ok | error | timeout |
-                               # memory | killed (the sandbox's) | bad_call (malformed, unknown tool, bad arguments)
+    tool_calls: list[dict]     # {"name", "arguments", "status", "output", "turn"}: call_outcome
     num_turns: int             # assistant turns, the one cut by the budget included
     finish_reason: str         # "stop" | "eos" | "length" | "max_turns"
 
@@ -73,14 +83,8 @@ class Trajectory:
 
 
 SamplingParams = namedtuple("SamplingParams", "temperature top_p top_k max_tokens stop_token_ids")
-# raw_logprobs: under the unmodified T=1 distribution, if asked for; finish_reason: "stop" | "length"
+# raw_logprobs: under the unmodified T=1 distribution, if asked for; finish_reason: stop | length
 Completion = namedtuple("Completion", "token_ids logprobs raw_logprobs finish_reason")
-
-
-def upload(values, device, dtype=None):
-    """A host list or tensor on device; on CUDA through pinned memory, so the copy does not sync."""
-    t = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
-    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 
 class Sequence:
@@ -91,8 +95,9 @@ class Sequence:
             raise ValueError("empty prompt")
         self.token_ids, self.num_prompt, self.params = list(prompt_ids), len(prompt_ids), params
         self.mask, self.logprobs, self.raw_logprobs = [], [], []   # per response token
-        self.num_cached, self.block_table = 0, []   # leading tokens whose K/V is cached; their block ids
-        self.finish_reason, self.uniforms, self.generator = None, [], torch.Generator().manual_seed(seed)
+        self.num_cached, self.block_table = 0, []  # leading tokens with cached K/V; their blocks
+        self.finish_reason, self.uniforms = None, []
+        self.generator = torch.Generator().manual_seed(seed)
 
     def __len__(self):
         return len(self.token_ids)
@@ -103,10 +108,12 @@ class Sequence:
 
     def next_uniform(self):
         if not self.uniforms:  # fixed-size chunks: the stream is the same however it is consumed
-            self.uniforms = torch.rand(64, generator=self.generator, dtype=torch.float64).tolist()[::-1]
+            draws = torch.rand(64, generator=self.generator, dtype=torch.float64)
+            self.uniforms = draws.tolist()[::-1]
         return self.uniforms.pop()
 
     def append(self, ids, sampled, logprob=0.0, raw_logprob=0.0):
+        """The one writer of the loss mask: 1 on sampled ids, 0 on forced ones."""
         self.token_ids += ids
         self.mask += [int(sampled)] * len(ids)
         self.logprobs += [logprob] * len(ids)
@@ -114,9 +121,10 @@ class Sequence:
 
 
 class BlockManager:
-    """Hands out cache blocks and counts their holders. A full block is registered under (previous block id,
-    its tokens), exact since the previous block stands for the whole prefix; a fresh sequence takes its registered
-    first blocks instead of recomputing them. The block of a sequence's last token is never shared (its logits)."""
+    """Hands out cache blocks and counts their holders. A full block is registered under (previous
+    block id, its tokens), exact since the previous block stands for the whole prefix; a fresh
+    sequence takes its registered first blocks instead of recomputing them. The block of a
+    sequence's last token is never shared (its logits)."""
 
     def __init__(self, num_blocks, block_size, share_prefix=True):
         self.block_size, self.share_prefix = block_size, share_prefix
@@ -127,8 +135,8 @@ class BlockManager:
         return parent, tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
 
     def _shared_prefix(self, seq):
-        hits = []
-        for i in range((len(seq) - 1) // self.block_size if self.share_prefix and not seq.block_table else 0):
+        hits, fresh = [], self.share_prefix and not seq.block_table  # only a fresh seq shares
+        for i in range((len(seq) - 1) // self.block_size if fresh else 0):
             block = self.block_of.get(self._key(seq, i, hits[-1] if hits else -1))
             if block is None:
                 break
@@ -136,7 +144,8 @@ class BlockManager:
         return hits
 
     def blocks_missing(self, seq):
-        return -(-len(seq) // self.block_size) - len(seq.block_table) - len(self._shared_prefix(seq))
+        needed = -(-len(seq) // self.block_size)
+        return needed - len(seq.block_table) - len(self._shared_prefix(seq))
 
     def grow(self, seq):
         """Give seq slots for all its tokens: shared prefix blocks first, then free ones."""
@@ -148,7 +157,7 @@ class BlockManager:
         while len(seq.block_table) * self.block_size < len(seq):
             seq.block_table.append(self.free.popleft())
             self.refcount[seq.block_table[-1]] = 1
-        # shareable at once: a layer writes all new K/V before it reads any, so a sibling in this step sees them
+        # shareable at once: a sibling in this step reads them after they are written (PagedKVCache)
         for i in range(full_before, len(seq) // self.block_size if self.share_prefix else 0):
             key, block = self._key(seq, i, seq.block_table[i - 1] if i else -1), seq.block_table[i]
             if key not in self.block_of and block not in self.key_of:
@@ -163,54 +172,42 @@ class BlockManager:
         seq.block_table, seq.num_cached = [], 0
 
 
-def bucket(n):
-    """The batch size a flash decode step runs at: the next power of two (a CUDA graph is captured per bucket)."""
-    return 1 << (n - 1).bit_length()
-
-
-def cuda_graph(fn, pool):
-    """fn() captured in a CUDA graph; returns replay(), which reruns it on the same buffers, returning its output."""
-    fn()  # warm-up outside the capture: lazy initialisation and the allocator's first requests
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        out = fn()
-
-    def replay():
-        graph.replay()
-        return out
-    return replay
-
-
 class PagedKVCache:
-    """Every sequence's K/V in fixed-size blocks: per layer a pool [2, blocks + 1, block_size, kv_heads, head_dim]
-    (K then V, flash-attn's paged layout; the last block a spare that padded rows write to) and per sequence a
-    block table. `begin` lays out one step; `attend`, model.py's seam, writes the step's K/V into their slots and
-    attends over everything each sequence holds.
+    """Every sequence's K/V in fixed-size blocks: per layer a pool
+    [2, blocks + 1, block_size, Hkv, D] (K then V, flash-attn's paged layout; the last block a spare
+    that padded rows write to), per sequence a block table. `begin` lays out one step; `attend`,
+    model.py's seam, writes the step's K/V into their slots and attends over what each holds.
 
-    Prefix sharing (BlockManager) lets the n samples of a prompt hold its full blocks once, and a sequence may
-    take a block that a sibling is filling in the same prefill step. That is exact only because of the order
-    inside `attend`: in every layer, all of the step's new K/V are written into the pool before any sequence
-    reads from it, so the sibling's keys are there when this sequence reads its block table, layer by layer.
-    A reordering that reads before it writes (a fused kernel per sequence, say) would break sharing silently.
+    Prefix sharing (BlockManager) lets the n samples of a prompt hold its full blocks once, and a
+    sequence may take a block that a sibling is filling in the same prefill step. That is exact only
+    because of the order inside `attend`: in every layer, all of the step's new K/V are written into
+    the pool before any sequence reads from it, so the sibling's keys are there when this sequence
+    reads its block table, layer by layer. A reordering that reads before it writes (a fused kernel
+    per sequence, say) would break sharing silently.
 
-    This class is the plain path, on any device: a prefill is one SDPA call per sequence (its cached tokens read
-    from its blocks), a decode step gathers each group's blocks. Two subclasses change only where K/V is read,
-    and can be skipped on a first reading: RowKVCache keeps decoding rows contiguous between steps (the default
-    without flash-attn), FlashKVCache lets flash-attn read the pools and runs decode in CUDA graphs."""
+    Preemption (Engine._free) asks nothing of the cache: a sequence that loses its blocks keeps its
+    tokens and sampler state, and is prefilled again when its turn comes, its K/V recomputed into
+    whatever blocks it gets (shared prefix blocks included).
+
+    This is the plain path, on any device: a prefill is one SDPA call per sequence (its cached
+    tokens read from its blocks), a decode step gathers each group's blocks. fastkv.py's fast paths,
+    mixed over it, change only where K/V is read (row buffers; flash-attn on the pools)."""
 
     def __init__(self, config, num_blocks, block_size, device, dtype):
         shape = (2, num_blocks + 1, block_size, config.num_key_value_heads, config.head_dim)
         # zeros, not empty: padded reads get weight 0, and 0 * NaN garbage would still be NaN
-        self.kv = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.num_hidden_layers)]
-        self.v_offset, self.spare_slot = (num_blocks + 1) * block_size, num_blocks * block_size  # in a flat view
+        self.kv = [torch.zeros(shape, device=device, dtype=dtype)
+                   for _ in range(config.num_hidden_layers)]
+        self.v_offset = (num_blocks + 1) * block_size   # in a flat view of a pool: V's first slot
+        self.spare_slot = num_blocks * block_size       # the spare block's first slot
         self.block_size, self.device, self.scratch = block_size, device, None
 
     def decode_order(self, batch):
-        """The order the rows of a decode step run in (the subclasses choose theirs)."""
+        """The order the rows of a decode step run in (a fast path may choose its own)."""
         return batch
 
     def begin(self, batch, decode):
-        """Lay out one step (each sequence's uncached tail, packed); returns (input_ids, positions)."""
+        """Lay out one step (each sequence's uncached tail, packed) -> (input_ids, positions)."""
         bs, dev = self.block_size, self.device
         ids, positions, slots = [], [], []
         for seq in batch:
@@ -225,16 +222,18 @@ class PagedKVCache:
         tables = [s.block_table + [0] * (width - len(s.block_table)) for s in batch]
         self.block_tables = upload(tables, dev, torch.int32)
         self.context_lens = upload(self.k_lens, dev, torch.int32)
-        self.pool_index = upload([(s, s + self.v_offset) for s in slots], dev, torch.long)  # K and V slot of each token
-        self.last_index = upload([c - 1 for c in self.cu_q[1:]], dev, torch.long)  # each sequence's last token
+        # the K and the V slot of each token; each sequence's last token
+        self.pool_index = upload([(s, s + self.v_offset) for s in slots], dev, torch.long)
+        self.last_index = upload([c - 1 for c in self.cu_q[1:]], dev, torch.long)
         if decode:
             self.groups = self._length_groups()
         shape = (len(batch), 1) if decode else (1, len(ids))
-        return upload(ids, dev, torch.long).view(shape), upload(positions, dev, torch.long).view(shape)
+        return (upload(ids, dev, torch.long).view(shape),
+                upload(positions, dev, torch.long).view(shape))
 
     def _length_groups(self):
-        """Runs of rows whose longest is under twice their shortest, each attended padded to its longest
-        and masked: a ragged batch is not padded to its longest row."""
+        """Runs of rows whose longest is under twice their shortest, each attended padded to its
+        longest and masked: a ragged batch is not padded to its longest row."""
         lens, groups, start = self.k_lens, [], 0
         for i in range(1, len(lens) + 1):
             if i == len(lens) or 2 * lens[i] <= lens[start]:
@@ -247,22 +246,23 @@ class PagedKVCache:
         return groups
 
     def write(self, layer, q, k, v):
-        """The step's K and V into their slots of the pool (both in one index_copy_); returns q [N, Hq, D] and
-        kv [N, 2, Hkv, D], the step's tokens packed."""
+        """Writes the step's K/V (one index_copy_) -> packed q [N, Hq, D], kv [N, 2, Hkv, D]."""
         B, T, Hq, D = q.shape
-        q, kv = q.reshape(B * T, Hq, D), torch.stack([k.reshape(B * T, -1, D), v.reshape(B * T, -1, D)], 1)
-        self.kv[layer].view(-1, *kv.shape[2:]).index_copy_(0, self.pool_index.flatten(), kv.flatten(0, 1))
+        q = q.reshape(B * T, Hq, D)
+        kv = torch.stack([k.reshape(B * T, -1, D), v.reshape(B * T, -1, D)], 1)
+        flat = self.kv[layer].view(-1, *kv.shape[2:])
+        flat.index_copy_(0, self.pool_index.flatten(), kv.flatten(0, 1))
         return q, kv
 
     def attend(self, layer, q, k, v):
         """Write first, then read: see the class docstring on prefix sharing."""
         shape = q.shape
         q, kv = self.write(layer, q, k, v)
-        out = self._attend_decode(layer, q, kv) if self.decode else self._attend_prefill(layer, q, kv)
+        out = (self._attend_decode if self.decode else self._attend_prefill)(layer, q, kv)
         return out.reshape(shape)
 
     def _gather(self, layer, blocks):
-        """K and V of the given blocks, copied into the scratch buffer: [2, n, block_size, Hkv, D]."""
+        """K and V of the given blocks, copied into a scratch buffer: [2, n, block_size, Hkv, D]."""
         n, pool = blocks.numel(), self.kv[layer]
         if self.scratch is None or self.scratch.shape[1] < n:
             self.scratch = pool.new_empty((2, max(n, 64), *pool.shape[2:]))
@@ -272,18 +272,22 @@ class PagedKVCache:
         """Keys and values [n, Hkv, width, D] of decode rows start..end: their blocks, gathered."""
         _, _, _, hkv, D = self.kv[layer].shape
         blocks = self.block_tables[start:end, :-(-width // self.block_size)].flatten().long()
-        return self._gather(layer, blocks).view(2, end - start, -1, hkv, D)[:, :, :width].transpose(2, 3)
+        kv = self._gather(layer, blocks).view(2, end - start, -1, hkv, D)
+        return kv[:, :, :width].transpose(2, 3)
 
-    def _attend_decode(self, layer, q, kv):  # one query per row, attended per group of similar lengths
+    def _attend_decode(self, layer, q, kv):
+        """One query per row, attended per group of similar lengths."""
         (_, Hq, D), hkv, outs = q.shape, kv.shape[2], []
         for start, end, width, mask in self.groups:
             keys, values = self._group_kv(layer, start, end, width)
-            n = end - start  # kv head h answers query heads hG..hG+G-1: queries [n, Hkv, G, D], keys [n, Hkv, width, D]
-            out = F.scaled_dot_product_attention(q[start:end].view(n, hkv, Hq // hkv, D), keys, values, attn_mask=mask)
+            n = end - start  # kv head h answers query heads hG..hG+G-1: [n, Hkv, G, D] queries
+            queries = q[start:end].view(n, hkv, Hq // hkv, D)
+            out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask)
             outs.append(out.reshape(n, Hq, D))
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
-    def _attend_prefill(self, layer, q, kv):  # one causal attention per sequence, its cached tokens from its blocks
+    def _attend_prefill(self, layer, q, kv):
+        """One causal attention per sequence, its cached tokens read from its blocks."""
         outs = []
         for i, (q_len, k_len) in enumerate(zip(self.q_lens, self.k_lens)):
             s, e = self.cu_q[i], self.cu_q[i + 1]
@@ -292,142 +296,40 @@ class PagedKVCache:
                 blocks = self.block_tables[i, :-(-k_len // self.block_size)].long()
                 ki, vi = self._gather(layer, blocks).flatten(1, 2)[:, :k_len]
                 # query j sits at position k_len - q_len + j and sees keys up to there
-                mask = torch.ones(q_len, k_len, dtype=torch.bool, device=q.device).tril(k_len - q_len)
+                mask = torch.ones(q_len, k_len, dtype=bool, device=q.device).tril(k_len - q_len)
             qi, ki, vi = (t.transpose(0, 1)[None] for t in (q[s:e], ki, vi))  # [1, H, T, D]
-            out = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
+            out = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask,
+                                                 is_causal=mask is None, enable_gqa=True)
             outs.append(out[0].transpose(0, 1))
         return torch.cat(outs)
 
 
-class RowKVCache(PagedKVCache):
-    """Fast path 1 (the default without flash-attn, CPU or CUDA): while the same sequences keep decoding, each
-    step writes its one token per row into contiguous row buffers [2, rows, Hkv, capacity, D] as well as into
-    the pool, and reads the rows instead of gathering every block again (17-38% of the rollout bench's rows on
-    CPU). A new set of rows, or a row that outgrows them, lays them out again, refilled from the pool once.
-    Rows are padded to the longest: past row_budget tokens, decode gathers blocks as the plain path does."""
-
-    row_headroom = 128  # free positions past the longest row when the rows are laid out
-
-    def __init__(self, config, num_blocks, block_size, device, dtype, row_budget):
-        super().__init__(config, num_blocks, block_size, device, dtype)
-        self.row_budget, self.rows, self.row_cached = row_budget, None, {}   # rows x capacity <= row_budget
-        self.row_kv = [torch.zeros(2, 0, 0, 0, 0)]
-
-    def decode_order(self, batch):
-        """Longest first; the same rows, in the same order, while the same sequences keep decoding."""
-        if {id(s): s.num_cached for s in batch} == self.row_cached and max(map(len, batch)) <= self.row_kv[0].shape[3]:
-            return self.rows  # last step's rows, one token longer each (self.rows keeps the ids alive)
-        rows, step = sorted(batch, key=len, reverse=True), self.row_headroom
-        capacity = -(-(len(rows[0]) + step) // step) * step
-        self.rows, self.row_cached = (rows, None) if len(rows) * capacity <= self.row_budget else (None, {})
-        _, have_rows, _, have_capacity, _ = self.row_kv[0].shape
-        if self.rows and (len(rows) > have_rows or capacity > have_capacity):
-            if capacity > have_capacity:  # geometric growth: a long decode reallocates log(n) times
-                capacity = max(capacity, min(2 * have_capacity, self.row_budget // len(rows)))
-            self.row_kv = None  # free the old buffers first
-            _, _, _, hkv, d = self.kv[0].shape
-            self.row_kv = [torch.zeros(2, len(rows), hkv, capacity, d, device=self.device, dtype=p.dtype)
-                           for p in self.kv]
-        self.stale = True  # refill from the pool before the step
-        return rows
-
-    def begin(self, batch, decode):
-        layout = super().begin(batch, decode)
-        self.use_rows = decode and bool(self.rows)  # a bool: what torch.compile guards
-        if self.use_rows and self.stale:  # copy every row's cached K/V out of the pool, head-major
-            for layer, rows in enumerate(self.row_kv):
-                pool = self._gather(layer, self.block_tables.flatten().long())
-                pool = pool.view(2, len(batch), -1, *self.kv[0].shape[3:])
-                width = min(pool.shape[2], rows.shape[3])  # the last block may overhang the buffer
-                rows[:, :len(batch), :, :width].copy_(pool[:, :, :width].transpose(2, 3))
-            self.stale = False
-        if self.use_rows:  # after this step every row holds len(seq) tokens; K/V c of row r, head h
-            self.row_cached = {id(s): len(s) for s in batch}   # goes to ((c * R + r) * Hkv + h) * cap + len - 1
-            _, R, hkv, cap, _ = self.row_kv[0].shape
-            self.row_index = upload([((c * R + r) * hkv + h) * cap + n - 1 for r, n in enumerate(self.k_lens)
-                                     for c in (0, 1) for h in range(hkv)], self.device, torch.long)
-        return layout
-
-    def _attend_decode(self, layer, q, kv):
-        if self.use_rows:  # the step's token into each row, then the rows are read instead of the blocks
-            self.row_kv[layer].view(-1, q.shape[-1]).index_copy_(0, self.row_index, kv.view(-1, q.shape[-1]))
-        return super()._attend_decode(layer, q, kv)
-
-    def _group_kv(self, layer, start, end, width):
-        if self.use_rows:
-            return self.row_kv[layer][:, start:end, :, :width]
-        return super()._group_kv(layer, start, end, width)
-
-
-class FlashKVCache(PagedKVCache):
-    """Fast path 2 (flash-attn on CUDA, blocks of 256): flash-attn reads the pools through the block tables, a
-    prefill with flash_attn_varlen_func, a decode step with flash_attn_with_kvcache. A decode step is laid out
-    by begin_bucketed in static buffers at a fixed batch size per bucket (the next power of two), so the Engine
-    captures it once per bucket as a CUDA graph and replays it."""
-
-    def __init__(self, config, num_blocks, block_size, device, dtype):
-        super().__init__(config, num_blocks, block_size, device, dtype)
-        self.static = None
-
-    def begin(self, batch, decode):  # prefills only: begin_bucketed lays out decode steps
-        layout = super().begin(batch, decode)
-        self.cu_q_t = upload(self.cu_q, self.device, torch.int32)
-        self.cu_k_t = upload(list(itertools.accumulate(self.k_lens, initial=0)), self.device, torch.int32)
-        return layout
-
-    def begin_bucketed(self, batch, max_batch, max_blocks):
-        """Lay out a decode step in static buffers at the bucket's batch size; returns the bucket. Padded rows
-        write the spare block and read one token of it, so real rows see nothing of them."""
-        n, b = len(batch), bucket(len(batch))
-        if self.static is None:  # ids, positions, slots, lengths; block tables (int32, as flash-attn takes them)
-            self.static = (torch.zeros(4, bucket(max_batch), dtype=torch.int32, device=self.device),
-                           torch.zeros(bucket(max_batch), max_blocks, dtype=torch.int32, device=self.device))
-        meta, tables = self.static
-        bs, lens = self.block_size, [len(s) for s in batch]
-        slots = [s.block_table[(k - 1) // bs] * bs + (k - 1) % bs for s, k in zip(batch, lens)]
-        spare = self.spare_slot // bs
-        pad = [0] * (b - n)
-        meta[:, :b].copy_(upload([[s.token_ids[-1] for s in batch] + pad, [k - 1 for k in lens] + pad,
-                                  slots + [self.spare_slot] * (b - n), lens + [1] * (b - n)], self.device, torch.int32))
-        tables[:b].copy_(upload([s.block_table + [0] * (max_blocks - len(s.block_table)) for s in batch] +
-                                [[spare] * max_blocks] * (b - n), self.device, torch.int32))
-        self.seqs, self.decode, self.context_lens, self.block_tables = batch, True, meta[3, :b], tables[:b]
-        return b
-
-    def attend(self, layer, q, k, v):
-        shape, pool = q.shape, self.kv[layer]
-        q, _ = self.write(layer, q, k, v)
-        if self.decode:
-            out = flash_attn_with_kvcache(q[:, None], pool[0], pool[1], cache_seqlens=self.context_lens,
-                                          block_table=self.block_tables, causal=True)[:, 0]
-        else:
-            out = flash_attn_varlen_func(q, pool[0], pool[1], self.cu_q_t, self.cu_k_t, max(self.q_lens),
-                                         max(self.k_lens), causal=True, block_table=self.block_tables)
-        return out.reshape(shape)
-
-
 def sample(logits, temperature, top_p, top_k, uniform):
-    """One token per row by inverse CDF. logits [S, V] fp32 on any device; temperature, top_p, uniform [S] float
-    and top_k [S] long (0: off) on the host. Returns (tokens [S], log-probs [S]) under the distribution drawn from:
-    softmax(logits / T) cut to the top-k, then to its top-p nucleus, renormalised; temperature 0 rows: the argmax."""
-    any_greedy, truncate = bool((temperature == 0).any()), bool(((top_p < 1) | (top_k > 0)).any())  # host: no sync
-    temperature, top_p, top_k, uniform = (upload(x, logits.device) for x in (temperature, top_p, top_k, uniform))
+    """One token per row by inverse CDF. logits [S, V] fp32 on any device; temperature, top_p,
+    uniform [S] float and top_k [S] long (0: off) on the host (no sync) -> (tokens [S], log-probs
+    [S]) under softmax(logits / T) cut to the top-k, then its top-p nucleus, renormalised (T 0:
+    argmax)."""
+    any_greedy, truncate = bool((temperature == 0).any()), bool(((top_p < 1) | (top_k > 0)).any())
+    temperature, top_p, top_k, uniform = (upload(x, logits.device)
+                                          for x in (temperature, top_p, top_k, uniform))
     greedy = temperature == 0
     logp = torch.log_softmax(logits / torch.where(greedy, 1.0, temperature)[:, None], dim=-1)
     rank = torch.arange(logits.shape[1], device=logits.device)
     logp_drawn, order = logp.sort(dim=-1, descending=True) if truncate else (logp, None)
-    # float64: a float32 CDF moves in steps of 6e-8 near 1, so a token of smaller mass got an interval of 0 or 6e-8
+    # float64: near 1 a float32 CDF moves in steps of 6e-8; a token of smaller mass got 0 or 6e-8
     p = logp_drawn.double().exp()
     if truncate:
         keep = rank < torch.where(top_k > 0, top_k, len(rank))[:, None]
         p_k = p * keep
         p_k = p_k / p_k.sum(-1, keepdim=True)
-        keep &= ((p_k.cumsum(-1) - p_k) < top_p[:, None]) | (top_p[:, None] >= 1)  # mass before it < top_p
+        # kept if the mass before it < top_p
+        keep &= ((p_k.cumsum(-1) - p_k) < top_p[:, None]) | (top_p[:, None] >= 1)
         p = p * keep
     cdf = p.cumsum(-1)
     mass = cdf[:, -1:]
     idx = torch.searchsorted(cdf, uniform[:, None].double() * mass, right=True)
-    idx = torch.minimum(idx, torch.where(p > 0, rank, 0).amax(-1, keepdim=True))  # u * mass may round up to mass
+    # u * mass may round up to mass: at most the last token of positive mass
+    idx = torch.minimum(idx, torch.where(p > 0, rank, 0).amax(-1, keepdim=True))
     tokens = order.gather(1, idx)[:, 0] if truncate else idx[:, 0]
     token_logp = (logp_drawn.gather(1, idx).double() - mass.log())[:, 0].float()
     if any_greedy:
@@ -438,67 +340,63 @@ def sample(logits, temperature, top_p, top_k, uniform):
 
 
 def kv_budget(device, utilization=0.9, trainer_peak=0):
-    """Bytes of CUDA memory the KV pool may take, measured as nano-vllm sizes its pool: utilization x the device's
-    memory, less what other processes and the CUDA context hold, less this process's peak allocation so far or
-    `trainer_peak` (the trainer's measured peak, weights included: rl.py) when that is larger."""
+    """Bytes of CUDA memory the KV pool may take, as nano-vllm sizes its pool: utilization x the
+    device's memory, less what other processes and the CUDA context hold, less the larger of this
+    process's peak allocation so far and `trainer_peak` (the trainer's, weights included: rl.py)."""
     free, total = torch.cuda.mem_get_info(device)
     others = total - free - torch.cuda.memory_reserved(device)
     peak = max(torch.cuda.max_memory_allocated(device), trainer_peak)
     budget = int(total * utilization) - others - peak
     if budget <= 0:
-        raise RuntimeError(f"no GPU memory left for the KV cache: {total / 2**30:.1f} GiB x {utilization} - "
-                           f"{others / 2**30:.1f} GiB held outside torch - {peak / 2**30:.1f} GiB at this "
-                           f"process's peak")
+        raise RuntimeError(f"no GPU memory left for the KV cache: {total / 2**30:.1f} GiB x "
+                           f"{utilization} - {others / 2**30:.1f} GiB held outside torch - "
+                           f"{peak / 2**30:.1f} GiB at this process's peak")
     return budget
 
 
 class Engine:
-    """Continuous batching over a paged KV cache. Sequences queue on `waiting`; `step` runs one prefill or decode
-    step and returns the sequences that stopped in it (a stop token or the budget). A stopped one keeps its blocks
-    until it is `release`d or `resume`d with forced tokens (a tool reply); under memory pressure it may lose them."""
+    """Continuous batching over a paged KV cache. Sequences queue on `waiting`; `step` runs one
+    prefill or decode step and returns the sequences that stopped in it (a stop token or the
+    budget). A stopped one keeps its blocks until it is `release`d or `resume`d with forced tokens
+    (a tool reply); under memory pressure it may lose them (preemption: recomputed later)."""
 
-    def __init__(self, model, max_num_seqs=256, max_prefill_tokens=8192, num_blocks=None, block_size=None,
-                 max_seq_lens=None, kv_cache_bytes=None, share_prefix=True, compile=False, dtype=None):
-        """The pool: num_blocks, else kv_cache_bytes (default: on CUDA kv_budget(), on CPU 4 GiB) of K/V, no more
-        than max_seq_lens (the longest sequences the engine will hold at once) could fill. It is sized here once:
-        keep one Engine per process across rollouts (rl.py, evaluate.py do). dtype: of the K/V (default: the
-        weights'; a trainer builds its engine before FSDP has gathered the bf16 weights)."""
+    def __init__(self, model, max_num_seqs=256, max_prefill_tokens=8192, num_blocks=None,
+                 block_size=None, max_seq_lens=None, kv_cache_bytes=None, share_prefix=True,
+                 compile=False, dtype=None):
+        """The pool, sized once: num_blocks, else kv_cache_bytes (default: on CUDA kv_budget(), on
+        CPU 4 GiB) of K/V, no more than max_seq_lens (the longest sequences held at once) could
+        fill. dtype: of the K/V (default: the weights'; a trainer builds its engine before FSDP
+        has gathered the bf16 weights). compile: fastkv.CpuForward."""
         self.model, cfg, param = model, model.config, next(model.parameters())
         self.device, self.dtype = param.device, dtype or param.dtype
         self.use_flash = use_flash(getattr(model, "attn_backend", "auto"), self.device, self.dtype)
         block_size = block_size or (256 if self.use_flash else 16)
         auto = num_blocks is None
         if auto:  # a memory budget, halved without flash-attn: the row buffers may take as much
-            per_block = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * block_size * \
-                torch.empty(0, dtype=self.dtype).element_size()
-            budget = kv_cache_bytes or (kv_budget(self.device) if self.device.type == "cuda" else 4 << 30)
+            per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim
+            per_block = per_token * block_size * torch.empty(0, dtype=self.dtype).element_size()
+            cuda = self.device.type == "cuda"
+            budget = kv_cache_bytes or (kv_budget(self.device) if cuda else 4 << 30)
             num_blocks = max(1, budget // per_block // (1 if self.use_flash else 2))
-        row_budget = num_blocks * block_size
+        row_budget = num_blocks * block_size   # fastkv.RowKVCache's token positions
         if auto and max_seq_lens is not None:  # no more than the workload could ever hold
             num_blocks = min(num_blocks, sum(-(-n // block_size) for n in max_seq_lens))
-        longest = max(max_seq_lens) if max_seq_lens else cfg.max_position_embeddings
-        self.max_blocks = min(num_blocks, -(-longest // block_size))  # block-table width of a bucketed step
-        self.num_blocks, self.blocks = num_blocks, BlockManager(num_blocks, block_size, share_prefix)
-        self.cache = FlashKVCache(cfg, num_blocks, block_size, self.device, self.dtype) if self.use_flash else \
-            RowKVCache(cfg, num_blocks, block_size, self.device, self.dtype, row_budget)
-        self.max_num_seqs, self.max_prefill_tokens, self.raw_logprobs = max_num_seqs, max_prefill_tokens, False
+        self.num_blocks = num_blocks
+        self.blocks = BlockManager(num_blocks, block_size, share_prefix)
+        # the plain cache with the fast path of this device mixed in (fastkv.py)
+        self.cache = fastkv.kv_cache(PagedKVCache, cfg, num_blocks, block_size, self.device,
+                                     self.dtype, flash=self.use_flash, row_budget=row_budget,
+                                     max_batch=max_num_seqs, max_seq_lens=max_seq_lens)
+        self.forward = fastkv.CpuForward(model, compile=compile and not self.use_flash)
+        self.max_num_seqs, self.max_prefill_tokens = max_num_seqs, max_prefill_tokens
+        self.raw_logprobs, self.stats = False, {}
         self.waiting, self.running, self.held = deque(), deque(), []
-        self.weights_t = {}  # CPU: [in, out] weight copies (model.Linear), remade when a weight changes
-        # compile: CPU decode steps of one length group through torch.compile (needs a C++ compiler; each new
-        # graph compiles for ~30 s: with and without a padding mask, one row and more; other steps run eagerly)
-        self.compiled = torch.compile(model.hidden, dynamic=True) if compile and not self.use_flash else None
-        self.graphs, self.use_graphs = {}, self.use_flash and self.device.type == "cuda"  # bucket -> step
-        self.graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
-        self.weights_at = None  # where the weights were when the graphs were captured
-        self.stats = {}
         self.new_rollout()
 
     def new_rollout(self):
-        """Before each use: fresh counters; the CUDA graphs dropped if the weights moved (FSDP gathers them into new
-        memory for every rollout), since a graph replays the addresses it was captured with."""
-        weights_at = [p.data_ptr() for p in self.model.parameters()]
-        if weights_at != self.weights_at:
-            self.graphs, self.weights_at = {}, weights_at
+        """Before each use: fresh counters (flash: graphs dropped if the weights moved, fastkv)."""
+        if self.use_flash:
+            self.cache.new_rollout(self.model)
         self.stats = dict(prefill_tokens=0, decode_tokens=0, shared_tokens=0, preemptions=0,
                           kv_pool_tokens=self.num_blocks * self.blocks.block_size, kv_peak_tokens=0)
 
@@ -518,15 +416,15 @@ class Engine:
         self.waiting.append(seq)
 
     def _free(self, seq, requeue=False):
-        """Preemption: seq loses its blocks and is recomputed from its tokens when its turn comes."""
+        """Preemption: seq loses its blocks, recomputed from its tokens when its turn comes."""
         self.blocks.release(seq)
         self.stats["preemptions"] += 1
         if requeue:
             self.waiting.appendleft(seq)
 
     def _reclaim(self):
-        """Nothing runs and the queue head does not fit: free the newest sequence waiting on a tool, else
-        the newest queued behind the head. False if none holds blocks."""
+        """Nothing runs and the queue head does not fit: free the newest sequence waiting on a
+        tool, else the newest queued behind the head. False if none holds blocks."""
         for seq in [*reversed(self.held), *reversed(list(self.waiting)[1:])]:
             if seq.block_table:
                 self._free(seq)
@@ -548,8 +446,9 @@ class Engine:
                     break
                 if self._reclaim():
                     continue
-                raise RuntimeError(f"KV cache too small: a sequence of {len(seq)} tokens needs {missing} blocks "
-                                   f"of {self.blocks.block_size}, the pool has {self.num_blocks}")
+                raise RuntimeError(f"KV cache too small: a sequence of {len(seq)} tokens needs "
+                                   f"{missing} blocks of {self.blocks.block_size}, the pool has "
+                                   f"{self.num_blocks}")
             if batch and tokens + len(seq) - seq.num_cached > self.max_prefill_tokens:
                 break
             self.waiting.popleft()
@@ -583,50 +482,33 @@ class Engine:
         batch = self._schedule_decode() if decode else batch
         if not batch:
             return []
-        if decode and self.use_flash:  # shapes fixed per batch bucket: on CUDA one graph per bucket, replayed
-            width = max(len(s.block_table) for s in batch)
-            if width > self.max_blocks:  # a reused engine meets a longer sequence: wider tables, graphs anew
-                self.max_blocks, self.cache.static, self.graphs = min(self.num_blocks, 2 * width), None, {}
-            b = self.cache.begin_bucketed(batch, self.max_num_seqs, self.max_blocks)
-            if b not in self.graphs:
-                step = functools.partial(self._bucketed_decode, b)
-                self.graphs[b] = cuda_graph(step, self.graph_pool) if self.use_graphs else step
-            logits = self.graphs[b]()[:len(batch)]
+        if decode and self.use_flash:  # bucketed, on CUDA a graph replayed: fastkv.FlashKVCache
+            logits = self.cache.decode_step(self.model, batch)
             self.stats["decode_tokens"] += len(batch)
         else:
             input_ids, positions = self.cache.begin(batch, decode)
-            if self.device.type == "cpu":
-                self.weights_t = transposed_weights(self.model, self.weights_t)
-            with transposed(self.weights_t):
-                one_group = decode and self.compiled and len(self.cache.groups) == 1
-                forward = self.compiled if one_group else self.model.hidden
-                h = forward(input_ids, positions=positions, kv_cache=self.cache)
-                logits = self.model.lm_head(h[:, 0] if decode else h[0, self.cache.last_index]).float()
+            with self.forward(self.cache, decode) as hidden:  # model.hidden (fastkv: CPU speed)
+                h = hidden(input_ids, positions=positions, kv_cache=self.cache)
+                last = h[:, 0] if decode else h[0, self.cache.last_index]  # each sequence's last
+                logits = self.model.lm_head(last).float()
             self.stats["decode_tokens" if decode else "prefill_tokens"] += input_ids.numel()
         for seq in batch:
             seq.num_cached = len(seq)
         self.running.extend([] if decode else batch)
         for seq, (token, logp, *raw) in zip(batch, self._sample(batch, logits)):
             seq.append([int(token)], True, logp, raw[0] if raw else None)
-            seq.finish_reason = ("stop" if int(token) in seq.params.stop_token_ids else
-                                 "length" if seq.num_response >= seq.params.max_tokens else None)
+            stop = int(token) in seq.params.stop_token_ids
+            full = seq.num_response >= seq.params.max_tokens
+            seq.finish_reason = "stop" if stop else "length" if full else None
         stopped = [seq for seq in batch if seq.finish_reason]
         if stopped:
             self.running = deque(s for s in self.running if s.finish_reason is None)
             self.held += stopped
         return stopped
 
-    def _bucketed_decode(self, b):
-        """The flash decode step of bucket b. It reads only the static buffers, so its CUDA graph replays any step."""
-        meta = self.cache.static[0][:, :b]
-        slots = meta[2].long()
-        self.cache.pool_index = torch.stack([slots, slots + self.cache.v_offset], 1)
-        h = self.model.hidden(meta[0, :, None].long(), positions=meta[1, :, None].long(), kv_cache=self.cache)
-        return self.model.lm_head(h[:, 0]).float()
-
     def _sample(self, batch, logits):
         params = [s.params for s in batch]
-        if all(p.temperature == 0 for p in params):  # the common eval / test path: no sort, no uniforms
+        if all(p.temperature == 0 for p in params):  # the eval / test path: no sort, no uniforms
             tokens = logits.argmax(-1)
             logp = torch.log_softmax(logits, -1).gather(1, tokens[:, None])[:, 0]
         else:
@@ -647,28 +529,33 @@ def sequence_seed(seed, index):
     return (seed * 0x9E3779B97F4A7C15 + index * 0xBF58476D1CE4E5B9 + 1) % (1 << 63)
 
 
-def complete(model, prompts, max_new_tokens, temperature=0.0, top_p=1.0, top_k=0, stop_token_ids=(), seed=None,
-             raw_logprobs=False, engine=None, **engine_kwargs):
-    """Like generate, with per-token log-probs and finish reasons. max_new_tokens: int or one per prompt.
-    engine: an Engine to reuse (its pool and options; engine_kwargs are then ignored)."""
-    budgets = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+def complete(model, prompts, max_new_tokens, temperature=0.0, top_p=1.0, top_k=0,
+             stop_token_ids=(), seed=None, raw_logprobs=False, engine=None, **engine_kwargs):
+    """Like generate, with per-token log-probs and finish reasons. max_new_tokens: int or one per
+    prompt. engine: an Engine to reuse (its pool and options; engine_kwargs are then ignored)."""
+    one_each = not isinstance(max_new_tokens, int)
+    budgets = list(max_new_tokens) if one_each else [max_new_tokens] * len(prompts)
     if engine is None:
-        engine = Engine(model, **{"max_seq_lens": [len(p) + b for p, b in zip(prompts, budgets)], **engine_kwargs})
+        max_seq_lens = [len(p) + b for p, b in zip(prompts, budgets)]
+        engine = Engine(model, **{"max_seq_lens": max_seq_lens, **engine_kwargs})
     engine.new_rollout()
     engine.raw_logprobs = raw_logprobs
-    seqs = [Sequence(p, SamplingParams(temperature, top_p, top_k, b, frozenset(stop_token_ids)), sequence_seed(seed, i))
+    stop = frozenset(stop_token_ids)
+    seqs = [Sequence(p, SamplingParams(temperature, top_p, top_k, b, stop), sequence_seed(seed, i))
             for i, (p, b) in enumerate(zip(prompts, budgets))]
     engine.waiting += [s for s in seqs if s.params.max_tokens > 0]
     while engine.has_work():
         for seq in engine.step():
             engine.release(seq)
-    return [Completion(s.token_ids[s.num_prompt:], s.logprobs, s.raw_logprobs if raw_logprobs else None,
-                       s.finish_reason or "length") for s in seqs]
+    return [Completion(s.token_ids[s.num_prompt:], s.logprobs,
+                       s.raw_logprobs if raw_logprobs else None, s.finish_reason or "length")
+            for s in seqs]
 
 
-def generate(model, prompts, max_new_tokens, temperature=0.0, top_p=1.0, stop_token_ids=(), seed=None, **kwargs):
-    """prompts: token-id lists -> the new ids of each, a stop token included; temperature 0 is greedy.
-    kwargs: top_k, and Engine options (max_num_seqs, num_blocks, block_size, ...)."""
+def generate(model, prompts, max_new_tokens, temperature=0.0, top_p=1.0, stop_token_ids=(),
+             seed=None, **kwargs):
+    """prompts: token-id lists -> the new ids of each, a stop token included; temperature 0 is
+    greedy. kwargs: top_k, and Engine options (max_num_seqs, num_blocks, block_size, ...)."""
     return [c.token_ids for c in complete(model, prompts, max_new_tokens, temperature, top_p,
                                           stop_token_ids=stop_token_ids, seed=seed, **kwargs)]
 
@@ -677,52 +564,59 @@ class ChatFormat:
     """Token ids of the chat protocol, from the tokenizer's chat template and generation config.
 
     One rule for every id the project makes from a rendering (prompts, forced tool replies, sft.py's
-    trajectories): the template's own structure may hold added tokens (<|im_start|>, <tool_call>, ...);
-    text that came from a message (a prompt, a tool's output, an assistant's content) never does. So
-    `mark` swaps each added-token string inside message text for a private-use character before the
-    template renders it, `encode` splits the rendering at the added tokens left (the template's) and
-    tokenizes the rest, marks turned back into their text, as plain text (`plain_ids`). Forced turns (tool
-    replies; user turns in the REPL) are a rendering with placeholder contents, cut at the placeholders."""
+    trajectories): the template's own structure may hold added tokens (<|im_start|>, <tool_call>,
+    ...); message text (a prompt, a tool's output, an assistant's content) never does. So `mark`
+    swaps each added-token string in message text for a private-use character before the template
+    renders it; `encode` splits the rendering at the added tokens left (the template's) and
+    tokenizes the rest as plain text (`plain_ids`), marks turned back into their text. Forced turns
+    (tool replies; user turns in the REPL) are a rendering with placeholder contents, cut at the
+    placeholders (`pieces`, `forced_ids`)."""
 
     ASSISTANT, CONTENT = "ASSISTANT_PLACEHOLDER_5f1c", "CONTENT_PLACEHOLDER_{}_9d2e"
-    MARKS = 0xF0000   # the marks are U+F0000.. (Supplementary Private Use Area-A), one per added token
+    PROBE = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": ASSISTANT}]
+    MARKS = 0xF0000  # the marks: U+F0000.. (Supplementary Private Use Area-A), one per added token
 
     def __init__(self, tokenizer, tools=None, enable_thinking="default"):
         from transformers import GenerationConfig
         if enable_thinking not in ("default", "true", "false"):
-            raise ValueError(f"enable_thinking must be default, true or false, not {enable_thinking!r}")
+            raise ValueError("enable_thinking must be default, true or false, "
+                             f"not {enable_thinking!r}")
         self.tokenizer, self.tools = tokenizer, list(tools) if tools else None
-        # the template's own switch (Qwen3's hybrid thinking); "default" passes nothing
-        self.template_kwargs = {} if enable_thinking == "default" else {"enable_thinking": enable_thinking == "true"}
+        on = {"enable_thinking": enable_thinking == "true"}  # the template's own switch (Qwen3)
+        self.template_kwargs = {} if enable_thinking == "default" else on  # default: pass nothing
         added = sorted(tokenizer.get_added_vocab(), key=len, reverse=True)
         self.added_ids = {t: tokenizer.convert_tokens_to_ids(t) for t in added}
-        self._added_re = re.compile("(" + "|".join(map(re.escape, added)) + ")" if added else "(?!)")
+        alternatives = "|".join(map(re.escape, added))
+        self._added_re = re.compile(f"({alternatives})" if added else "(?!)")
         self.marks = {t: chr(self.MARKS + i) for i, t in enumerate(added)}
         self._unmark = {ord(m): t for t, m in self.marks.items()}
-        text = self.render([{"role": "user", "content": "hi"}, {"role": "assistant", "content": self.ASSISTANT}])
-        self.end_of_turn = self.encode(text.split(self.ASSISTANT)[1])[0]
+        self.end_of_turn = self.encode(self.render(self.PROBE).split(self.ASSISTANT)[1])[0]
         self.end_of_turn_text = tokenizer.decode([self.end_of_turn])
-        try:  # a checkpoint lists its end ids in generation_config.json (Qwen: <|im_end|>, <|endoftext|>)
-            ends = GenerationConfig.from_pretrained(tokenizer.name_or_path, local_files_only=True).eos_token_id
+        try:  # a checkpoint's end ids, in generation_config.json (Qwen: <|im_end|>, <|endoftext|>)
+            ends = GenerationConfig.from_pretrained(tokenizer.name_or_path,
+                                                    local_files_only=True).eos_token_id
         except OSError:
             ends = None
         ends = tokenizer.eos_token_id if ends is None else ends
-        self.stop_ids = frozenset({self.end_of_turn, *([ends] if isinstance(ends, int) else ends or [])})
+        ends = [ends] if isinstance(ends, int) else ends or []
+        self.stop_ids = frozenset({self.end_of_turn, *ends})
         self._pieces = {}
 
     def render(self, messages, add_generation_prompt=False, tools=None):
         """The chat template's text (tools: this call's schemas instead of the format's)."""
-        return self.tokenizer.apply_chat_template(messages, tools=tools or self.tools, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt, **self.template_kwargs)
+        return self.tokenizer.apply_chat_template(
+            messages, tools=tools or self.tools, tokenize=False,
+            add_generation_prompt=add_generation_prompt, **self.template_kwargs)
 
     def mark(self, text, keep=()):
         """text with every added-token string in it (but those in `keep`) swapped for its mark."""
-        if any(ord(c) in self._unmark for c in text):  # a mark's own character in the text: made U+FFFD
+        if any(ord(c) in self._unmark for c in text):  # a mark's own character: made U+FFFD
             text = text.translate({c: "\ufffd" for c in self._unmark})
-        return self._added_re.sub(lambda m: m.group(0) if m.group(0) in keep else self.marks[m.group(0)], text)
+        return self._added_re.sub(
+            lambda m: m.group(0) if m.group(0) in keep else self.marks[m.group(0)], text)
 
     def mark_messages(self, messages, keep=()):
-        """A copy of the messages with the text of each (content, reasoning, tool-call arguments) marked."""
+        """A copy of the messages, the text of each (content, reasoning, tool-call args) marked."""
         def walk(x):
             if isinstance(x, str):
                 return self.mark(x, keep)
@@ -735,7 +629,7 @@ class ChatFormat:
         return text.translate(self._unmark)
 
     def encode(self, text):
-        """Ids of a (marked) rendering: added tokens where the template wrote them, the rest plain text."""
+        """Ids of a (marked) rendering: the template's added tokens, the rest as plain text."""
         ids = []
         for j, part in enumerate(self._added_re.split(text)):
             if j % 2:
@@ -749,46 +643,65 @@ class ChatFormat:
         split_special_tokens turns off for special tokens only) never runs."""
         backend = self.tokenizer.backend_tokenizer
         text = backend.normalizer.normalize_str(text) if backend.normalizer else text
-        words = backend.pre_tokenizer.pre_tokenize_str(text) if backend.pre_tokenizer else [(text, None)]
+        pre = backend.pre_tokenizer
+        words = pre.pre_tokenize_str(text) if pre else [(text, None)]
         return [t.id for word, _ in words for t in backend.model.tokenize(word)]
 
     def prompt_ids(self, prompt, system=None):
         system = [{"role": "system", "content": system}] if system is not None else []
-        return self.encode(self.render(self.mark_messages(system + [{"role": "user", "content": prompt}]), True))
+        messages = self.mark_messages(system + [{"role": "user", "content": prompt}])
+        return self.encode(self.render(messages, True))
 
     def pieces(self, role, n):
-        """The n + 1 template strings around n `role` messages after an assistant's end-of-turn token, up to the
-        next generation prompt."""
+        """The n + 1 template strings around n `role` messages after an assistant's end-of-turn
+        token, up to the next generation prompt: the forced (mask 0) part of a reply."""
         if (role, n) not in self._pieces:
             slots = [self.CONTENT.format(i) for i in range(n)]
-            messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": self.ASSISTANT}]
-            text = self.render(messages + [{"role": role, "content": s} for s in slots], True)
+            text = self.render(self.PROBE + [{"role": role, "content": s} for s in slots], True)
             text = text.split(self.ASSISTANT, 1)[1]
             if not text.startswith(self.end_of_turn_text):
-                raise ValueError(f"chat template: assistant turn does not end with {self.end_of_turn_text!r}")
+                raise ValueError("chat template: assistant turn does not end with "
+                                 f"{self.end_of_turn_text!r}")
             text = text[len(self.end_of_turn_text):]
             self._pieces[(role, n)] = re.split("|".join(slots), text) if slots else [text]
         return self._pieces[(role, n)]
 
     def forced_ids(self, role, contents):
-        """Ids after an assistant's end-of-turn token: `role` messages with these contents, then the next prompt."""
+        """Ids after an assistant's end-of-turn token: `role` messages with these contents, then
+        the next prompt."""
         pieces = self.pieces(role, len(contents))
-        return self.encode("".join(p + self.mark(c) for p, c in zip(pieces, contents)) + pieces[-1])
+        text = "".join(p + self.mark(c) for p, c in zip(pieces, contents)) + pieces[-1]
+        return self.encode(text)
 
 
-# ---------------------------------------------------------------- tools
 @dataclass
 class Tool:
-    """One tool the model may call: its schema (rendered into the prompt; function.name is how the model calls
-    it) and `call(arguments, sandbox, config) -> Future` of (status, reply text) or of the reply text alone
-    (status "ok"). A ValueError raised by call is a malformed call: its text is the reply, status bad_call."""
+    """One tool the model may call: its schema (rendered into the prompt; function.name names it)
+    and `call(arguments, sandbox, config) -> Future` of (status, reply text) or of the text alone; a
+    ValueError raised by call refuses the call, its text the reply (call_outcome)."""
     schema: dict
     call: object
 
 
+def call_outcome(refusal, future):
+    """(status, reply text) of one tool call: the one place a status is decided, from the facts.
+    A refusal (the reply to a call never run: malformed, parse_tool_calls; an unknown tool or a
+    ValueError from the tool, AgentLoop._dispatch): "bad_call". Else the Future: raised (a failed
+    or cancelled run, a closed pool): "error"; the reply text alone: "ok"; (status, text): the
+    tool's own (run_code: the sandbox's ok, error, timeout, memory, killed)."""
+    if refusal is not None:
+        return "bad_call", refusal
+    try:
+        reply = future.result()
+        status, text = ("ok", reply) if isinstance(reply, str) else reply
+    except Exception as e:  # a sandbox failure is the tool's answer, not a crash of the rollout
+        return "error", f"Error: the tool failed: {type(e).__name__}: {e}"[:200]
+    return status, text
+
+
 def run_code(arguments, sandbox, config):
-    """The code interpreter: the first ```python fence, the last bare expression printed, run in the sandbox;
-    the reply is stdout then stderr (and why the run stopped), cut to config.tool_output_chars."""
+    """The code interpreter: the first ```python fence, the last bare expression printed, run in the
+    sandbox -> (its status, stdout then stderr and why it stopped, cut to tool_output_chars)."""
     import sandbox as sandbox_module
     code = arguments.get("code")
     if not isinstance(code, str):
@@ -801,32 +714,32 @@ def run_code(arguments, sandbox, config):
         try:
             result = run.result()
             reply.set_result((result.status, fmt(result, config.tool_output_chars)))
-        except BaseException as e:  # a failed or cancelled run is the tool's failure; the reply always resolves
+        except BaseException as e:  # failed or cancelled ("error"): the reply always resolves
             reply.set_exception(e)
-
-    submit(prepare(code), timeout=config.tool_timeout, memory_mb=config.tool_memory_mb).add_done_callback(done)
+    run = submit(prepare(code), timeout=config.tool_timeout, memory_mb=config.tool_memory_mb)
+    run.add_done_callback(done)
     return reply
 
 
-# The tools the rollout offers, by name. To add one: TOOLS["name"] = Tool(schema, call), or pass tools= to rollout().
+# The tools the rollout offers, by name. To add one: TOOLS["name"] = Tool(schema, call), or tools=
 TOOLS = {"code_interpreter": Tool(CODE_INTERPRETER, run_code)}
-
 TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)  # as verl's HermesToolParser
 
 
 def parse_tool_calls(text, max_calls=1):
-    """The calls of one assistant turn, in order: a list of (name, arguments, error), error None or the reply to
-    a malformed call. A block that is not a JSON object with a "name" is a parse error (verl's), not counted
-    towards max_calls; of the calls that parse, the first max_calls are kept (verl's max_parallel_calls).
-    Arguments written as a JSON string are decoded. A <tool_call> still open after the last block is an error
-    (verl drops all of these silently; here each gets an error reply)."""
+    """The calls of one assistant turn, in order: (name, arguments, refusal), refusal None or the
+    reply to a malformed call. A block that is not a JSON object with a "name" is a parse error
+    (verl's), not counted towards max_calls; of the calls that parse, the first max_calls are kept
+    (verl's max_parallel_calls). Arguments written as a JSON string are decoded. A <tool_call> still
+    open after the last block is an error (verl drops these silently; here each gets a reply)."""
     calls, parsed, end = [], 0, 0
     for match in TOOL_CALL_RE.finditer(text):
         end = match.end()
         try:
             call = json.loads(match.group(1))
         except json.JSONDecodeError as e:
-            calls.append((None, None, f"Error: the tool call is not valid JSON ({e.msg} at char {e.pos})."))
+            refusal = f"Error: the tool call is not valid JSON ({e.msg} at char {e.pos})."
+            calls.append((None, None, refusal))
             continue
         if not isinstance(call, dict) or not isinstance(call.get("name"), str):
             calls.append((None, None, 'Error: a tool call is {"name": ..., "arguments": {...}}.'))
@@ -853,33 +766,36 @@ class Agent:
         self.problem_index, self.sample_index, self.seq = problem_index, sample_index, seq
         self.turn_start = len(seq)          # where the current assistant turn begins
         self.num_turns, self.tool_calls, self.finish_reason = 0, [], None
-        self.pending = []                   # [(call record, Future)] of the turn being answered
+        self.pending = []   # [(call record, refusal, Future)] of the turn being answered
 
     def trajectory(self, tokenizer):
         seq, response = self.seq, self.seq.token_ids[self.seq.num_prompt:]
-        return Trajectory(self.problem_index, self.sample_index, seq.token_ids[:seq.num_prompt], response,
-                          list(seq.mask), list(seq.logprobs), tokenizer.decode(response, skip_special_tokens=False),
-                          self.tool_calls, self.num_turns, self.finish_reason)
+        text = tokenizer.decode(response, skip_special_tokens=False)
+        return Trajectory(self.problem_index, self.sample_index, seq.token_ids[:seq.num_prompt],
+                          response, list(seq.mask), list(seq.logprobs), text, self.tool_calls,
+                          self.num_turns, self.finish_reason)
 
 
 class AgentLoop:
-    """Drives agents through the engine: sample a turn, run its tool calls off the batch, force the reply,
-    resume; the engine keeps decoding the other trajectories while tools run."""
+    """Drives agents through the engine: sample a turn, run its tool calls off the batch, force the
+    reply, resume; the engine keeps decoding the other trajectories while tools run."""
 
     def __init__(self, engine, chat, config, sandbox=None, tools=None):
-        self.engine, self.chat, self.config, self.sandbox, self.tools = engine, chat, config, sandbox, tools or TOOLS
+        self.engine, self.chat, self.config = engine, chat, config
+        self.sandbox, self.tools = sandbox, tools or TOOLS
 
     def run(self, prompts, keys, seeds=None):
-        """prompts: token-id lists; keys: (problem_index, sample_index) per prompt; seeds: one generator
-        seed per prompt (default: from config.seed and the position). Returns the Agents."""
+        """prompts: token-id lists; keys: (problem_index, sample_index) per prompt; seeds: one
+        generator seed per prompt (default: from config.seed and the position) -> the Agents."""
         cfg = self.config
-        params = SamplingParams(cfg.temperature, cfg.top_p, cfg.top_k, cfg.max_response_tokens, self.chat.stop_ids)
+        params = SamplingParams(cfg.temperature, cfg.top_p, cfg.top_k, cfg.max_response_tokens,
+                                self.chat.stop_ids)
         seeds = seeds or [sequence_seed(cfg.seed, k) for k in range(len(prompts))]
         agents = [Agent(i, j, Sequence(p, params, s)) for p, (i, j), s in zip(prompts, keys, seeds)]
-        by_seq, waiting = {id(a.seq): a for a in agents}, []   # waiting: agents whose tool calls are out
+        by_seq, waiting = {id(a.seq): a for a in agents}, []  # waiting: their tool calls are out
         self.engine.waiting += [a.seq for a in agents]
         while self.engine.has_work() or waiting:
-            for a in [a for a in waiting if all(f.done() for _, f in a.pending)]:
+            for a in [a for a in waiting if all(f.done() for _, _, f in a.pending)]:
                 waiting.remove(a)
                 self._answer(a)
             if self.engine.has_work():
@@ -887,7 +803,7 @@ class AgentLoop:
                     if self._end_turn(by_seq[id(seq)]):
                         waiting.append(by_seq[id(seq)])
             elif waiting:
-                concurrent.futures.wait([f for a in waiting for _, f in a.pending],
+                concurrent.futures.wait([f for a in waiting for _, _, f in a.pending],
                                         return_when=concurrent.futures.FIRST_COMPLETED)
         return agents
 
@@ -899,12 +815,13 @@ class AgentLoop:
         """An assistant turn ended; True if its tool calls were sent off."""
         seq, cfg = agent.seq, self.config
         agent.num_turns += 1
-        text = self.chat.tokenizer.decode(seq.token_ids[agent.turn_start:], skip_special_tokens=False)
+        turn = seq.token_ids[agent.turn_start:]
+        text = self.chat.tokenizer.decode(turn, skip_special_tokens=False)
         calls = parse_tool_calls(text, cfg.max_parallel_calls)
         if seq.finish_reason == "length" or (calls and seq.num_response >= seq.params.max_tokens):
             reason = "length"     # the budget ran out in the turn, or left no room for a reply
         elif seq.token_ids[-1] != self.chat.end_of_turn:
-            reason = "eos"        # another end id (<|endoftext|>): no template renders a reply after it
+            reason = "eos"        # another end id (<|endoftext|>): no template renders a reply
         elif not calls:
             reason = "stop"       # an answer without a call ends the trajectory
         elif agent.num_turns >= cfg.max_turns:
@@ -914,37 +831,32 @@ class AgentLoop:
             return True
         return self._finish(agent, reason)
 
-    def _dispatch(self, agent, name, arguments, error):
-        """(call record, Future of (status, reply)) for one parsed call; a malformed call is answered at once."""
-        record = {"name": name, "arguments": arguments, "status": None, "output": "", "turn": agent.num_turns - 1}
+    def _dispatch(self, agent, name, arguments, refusal):
+        """(call record, refusal, Future) of one parsed call: sent to its tool unless refused (also
+        an unknown tool, or arguments the tool rejects with a ValueError), then resolved at once."""
+        turn = agent.num_turns - 1
+        record = {"name": name, "arguments": arguments, "status": None, "output": "", "turn": turn}
         future = concurrent.futures.Future()
-        if error is None and name not in self.tools:
-            error = f"Error: unknown tool {name[:64]!r}; the tools are {', '.join(self.tools)}."
-        if error is None:
+        if refusal is None and name not in self.tools:
+            refusal = f"Error: unknown tool {name[:64]!r}; the tools are {', '.join(self.tools)}."
+        if refusal is None:
             try:
                 future = self.tools[name].call(arguments, self.sandbox, self.config)
             except ValueError as e:   # the tool refused the arguments
-                error = str(e)
-            except Exception as e:    # a closed or broken pool: answered like a failure inside the Future
+                refusal = str(e)
+            except Exception as e:    # a closed or broken pool: a failure inside the Future
                 future.set_exception(e)
-        if error is not None:
-            record.update(status="bad_call", output=error)
+        if refusal is not None:
             future.set_result(None)
-        return record, future
+        return record, refusal, future
 
     def _answer(self, agent):
-        """All of a turn's calls are back: force the tool reply and resume, or stop at the budget."""
-        for record, future in agent.pending:
-            if record["status"] is None:
-                try:
-                    reply = future.result()
-                    record["status"], record["output"] = ("ok", reply) if isinstance(reply, str) else reply
-                except Exception as e:  # a sandbox failure is the tool's answer, not a crash of the rollout
-                    record["status"] = "error"
-                    record["output"] = f"Error: the tool failed: {type(e).__name__}: {e}"[:200]
+        """A turn's calls are all back: force the tool reply and resume, or stop at the budget."""
+        for record, refusal, future in agent.pending:
+            record["status"], record["output"] = call_outcome(refusal, future)
             agent.tool_calls.append(record)
-        seq, outputs, agent.pending = agent.seq, [r["output"] for r, _ in agent.pending], []
-        forced = self.chat.forced_ids("tool", outputs)
+        seq, outputs, agent.pending = agent.seq, [r["output"] for r, _, _ in agent.pending], []
+        forced = self.chat.forced_ids("tool", outputs)   # mask 0: ChatFormat.pieces
         room = seq.params.max_tokens - seq.num_response
         if len(forced) >= room:  # no room to sample after the reply: cut it at the budget
             seq.append(forced[:room], sampled=False)
@@ -954,16 +866,18 @@ class AgentLoop:
 
 
 def chat_format(tokenizer, config, tools=None):
-    """The ChatFormat rollout() renders prompts and replies with: every tool's schema, the template switch."""
-    return ChatFormat(tokenizer, [t.schema for t in (tools or TOOLS).values()], config.enable_thinking)
+    """The ChatFormat rollout() renders prompts and replies with: tool schemas, template switch."""
+    schemas = [t.schema for t in (tools or TOOLS).values()]
+    return ChatFormat(tokenizer, schemas, config.enable_thinking)
 
 
-def rollout(model, tokenizer, problems, config, sandbox=None, seeds=None, engine=None, tools=None, **engine_kwargs):
-    """config.n trajectories per problem, grouped by problem. sandbox: an object with submit(code, timeout,
-    memory_mb) -> Future[Result] (and optionally prepare_code, format_tool_output); the sandbox module by
-    default. seeds: one per problem, instead of config.seed: sample j of problem i then draws the same
-    tokens whichever other problems share the call. engine: an Engine to reuse; else engine_kwargs make one.
-    tools: {name: Tool}, rendered into the prompt and called by name (default TOOLS)."""
+def rollout(model, tokenizer, problems, config, sandbox=None, seeds=None, engine=None, tools=None,
+            **engine_kwargs):
+    """config.n trajectories per problem, grouped by problem. sandbox: an object with submit(code,
+    timeout, memory_mb) -> Future[Result] (and optionally prepare_code, format_tool_output); the
+    sandbox module by default. seeds: one per problem, instead of config.seed: sample j of problem i
+    then draws the same tokens whichever other problems share the call. engine: an Engine to reuse;
+    else engine_kwargs make one. tools: {name: Tool} (default TOOLS), rendered, called by name."""
     tools = tools or TOOLS
     chat = chat_format(tokenizer, config, tools)
     if seeds is not None and len(seeds) != len(problems):
@@ -977,8 +891,8 @@ def rollout(model, tokenizer, problems, config, sandbox=None, seeds=None, engine
         prompts += [ids] * config.n
         keys += [(i, j) for j in range(config.n)]
     if engine is None:
-        engine = Engine(model, **{"max_seq_lens": [len(p) + config.max_response_tokens for p in prompts],
-                                  **engine_kwargs})
+        max_seq_lens = [len(p) + config.max_response_tokens for p in prompts]
+        engine = Engine(model, **{"max_seq_lens": max_seq_lens, **engine_kwargs})
     engine.new_rollout()
     per_sequence = [sequence_seed(seeds[i], j) for i, j in keys] if seeds is not None else None
     agents = AgentLoop(engine, chat, config, sandbox, tools).run(prompts, keys, per_sequence)

@@ -162,7 +162,7 @@ def qwen3_4b_decode(device, batches=(64, 256), new_tokens=64):
         _, t, _ = timed(lambda: rollout.generate(model, prompts, new_tokens, engine=engine))
         print(f"  Qwen3-4B shape, {dtype}, batch {batch}: {batch * new_tokens / t:8.1f} tok/s end to end "
               f"(prompt 128, {new_tokens} new; flash-attn {'on' if engine.use_flash else 'off'}, "
-              f"CUDA graphs {'on' if engine.use_graphs else 'off'})")
+              f"CUDA graphs {'on' if engine.use_flash and engine.cache.use_graphs else 'off'})")
 
 
 @dataclass

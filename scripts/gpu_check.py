@@ -34,6 +34,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+import fastkv  # noqa: E402
 import model as model_py  # noqa: E402
 import rollout  # noqa: E402
 from common import parse_config  # noqa: E402
@@ -119,7 +120,7 @@ def environment(device):
 
 
 def engine_path(engine):
-    return (f"flash-attn, CUDA graphs {'on' if engine.use_graphs else 'off'}" if engine.use_flash else
+    return (f"flash-attn, CUDA graphs {'on' if engine.cache.use_graphs else 'off'}" if engine.use_flash else
             "SDPA") + f", {engine.blocks.block_size}-token blocks"
 
 
@@ -273,8 +274,8 @@ def check_generate(plan, device, cache):
 
 def check_graphs(plan, device, cache):
     err = flash_error()
-    if err or rollout.flash_attn_with_kvcache is None:
-        raise Skip(f"flash-attn not installed ({err or 'not importable in rollout.py'})")
+    if err or fastkv.flash_attn_with_kvcache is None:
+        raise Skip(f"flash-attn not installed ({err or 'not importable in fastkv.py'})")
     if device.type != "cuda":
         raise Skip("CUDA only")
     model = Transformer.from_pretrained(small_checkpoint(plan, cache), device=device, dtype=torch.bfloat16)
@@ -284,12 +285,13 @@ def check_graphs(plan, device, cache):
     outs, engines = [], []
     for graphs in (True, False):
         engines.append(rollout.Engine(model, max_seq_lens=[len(p) + k for p, k in zip(prompts, budgets)]))
-        engines[-1].use_graphs = graphs
+        engines[-1].cache.use_graphs = graphs  # the flash cache's switch (fastkv.FlashKVCache)
         outs.append(rollout.generate(model, prompts, budgets, engine=engines[-1]))
     same = sum(x == y for x, y in zip(*outs))
-    ok = same == len(prompts) and engines[0].use_flash and bool(engines[0].graphs)
-    return dict(ok=ok, rows_identical=same, rows=len(prompts), buckets=sorted(engines[0].graphs),
-                result=f"{same}/{len(prompts)} rows identical, graphs for buckets {sorted(engines[0].graphs)} "
+    captured = getattr(engines[0].cache, "graphs", {})  # none without flash-attn
+    ok = same == len(prompts) and engines[0].use_flash and bool(captured)
+    return dict(ok=ok, rows_identical=same, rows=len(prompts), buckets=sorted(captured),
+                result=f"{same}/{len(prompts)} rows identical, graphs for buckets {sorted(captured)} "
                        f"({engine_path(engines[0])})")
 
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+import fastkv
 import rollout
 from model import Transformer
 from rollout import ChatFormat, Engine, RolloutConfig, complete, generate, sample
@@ -99,7 +100,7 @@ def test_decode_rows_regrow_and_refill(sharp, monkeypatch):
     prompts = ragged_prompts(model.config.vocab_size)
     budgets = [48, 10, 30, 5, 48, 20]
     want = complete(model, prompts, 48, temperature=1.0, seed=3)
-    monkeypatch.setattr(rollout.RowKVCache, "row_headroom", 2)
+    monkeypatch.setattr(fastkv.RowKVCache, "row_headroom", 2)
     engine = Engine(model, max_num_seqs=2, max_seq_lens=[len(p) + b for p, b in zip(prompts, budgets)])
     got = complete(model, prompts, budgets, temperature=1.0, seed=3, engine=engine)
     assert engine.cache.row_kv[0].shape[3] > 2
@@ -250,8 +251,8 @@ def ref_with_kvcache(q, k, v, cache_seqlens, block_table, causal):
 
 def flash_engine(model, monkeypatch, **kwargs):
     """An Engine on the CUDA code path, with the reference kernels standing in for flash-attn."""
-    monkeypatch.setattr(rollout, "flash_attn_varlen_func", ref_varlen)
-    monkeypatch.setattr(rollout, "flash_attn_with_kvcache", ref_with_kvcache)
+    monkeypatch.setattr(fastkv, "flash_attn_varlen_func", ref_varlen)
+    monkeypatch.setattr(fastkv, "flash_attn_with_kvcache", ref_with_kvcache)
     monkeypatch.setattr(sys.modules["model"], "flash_attn_varlen_func", ref_varlen)  # what use_flash() checks
     monkeypatch.setattr(model, "attn_backend", "flash")
     ref_with_kvcache.batch_sizes = []
@@ -273,7 +274,7 @@ def test_flash_plumbing_with_reference_kernels(sharp, monkeypatch):
     assert engine.stats["shared_tokens"] > 0 and engine.stats["preemptions"] > 0
     sizes = ref_with_kvcache.batch_sizes
     assert set(sizes) <= {1, 2, 4, 8} and len(set(sizes)) > 1 and engine.stats["decode_tokens"] < sum(sizes)
-    assert [rollout.bucket(n) for n in (1, 2, 3, 5, 8, 9, 33)] == [1, 2, 4, 8, 8, 16, 64]
+    assert [fastkv.bucket(n) for n in (1, 2, 3, 5, 8, 9, 33)] == [1, 2, 4, 8, 8, 16, 64]
 
 
 def test_cuda_graph_capture_once_per_bucket_then_replay(sharp, monkeypatch):
@@ -297,12 +298,12 @@ def test_cuda_graph_capture_once_per_bucket_then_replay(sharp, monkeypatch):
             return out.copy_(fn())
         return replay
 
-    monkeypatch.setattr(rollout, "cuda_graph", fake_cuda_graph)
+    monkeypatch.setattr(fastkv, "cuda_graph", fake_cuda_graph)
     engine = flash_engine(model, monkeypatch, block_size=8, max_seq_lens=[len(p) + b for p, b in zip(prompts, budgets)])
-    engine.use_graphs = True
+    engine.cache.use_graphs = True
     assert generate(model, prompts, budgets, engine=engine) == want
     assert sorted(captured) == sorted(set(replays)) and set(captured) <= {1, 2, 4, 8} and len(replays) > len(captured)
-    assert engine.cache.static[1].shape[1] == engine.max_blocks == -(-max(len(p) + b for p, b in zip(prompts, budgets)) // 8)
+    assert engine.cache.static[1].shape[1] == engine.cache.max_blocks == -(-max(len(p) + b for p, b in zip(prompts, budgets)) // 8)
 
 
 def test_reused_flash_engine_takes_longer_sequences(sharp, monkeypatch):
@@ -311,11 +312,11 @@ def test_reused_flash_engine_takes_longer_sequences(sharp, monkeypatch):
     model, _ = sharp
     short, long = ragged_prompts(model.config.vocab_size, lengths=(5, 6, 7, 8)), ragged_prompts(model.config.vocab_size, lengths=(40,))
     engine = flash_engine(model, monkeypatch, block_size=8, max_seq_lens=[len(p) + 4 for p in short])
-    width = engine.max_blocks
+    width = engine.cache.max_blocks
     assert generate(model, short, 4, engine=engine) == generate(model, short, 4)
     assert engine.num_blocks * 8 >= 40 + 8 > width * 8   # fits the pool, not the first tables
     assert generate(model, long, 8, engine=engine) == generate(model, long, 8)
-    assert engine.max_blocks > width
+    assert engine.cache.max_blocks > width
 
 
 def test_reused_engine_sees_changed_weights(sharp):

@@ -1,0 +1,279 @@
+"""fastkv.py: the fast paths of rollout.py's paged KV cache, which a first reading can skip.
+
+rollout.PagedKVCache is the reference: it explains paging, prefix sharing and preemption. What is
+here only makes it faster: it changes where K/V is read from, not what attention computes.
+
+- RowKVCache (the default without flash-attn, CPU or CUDA): decoding rows kept contiguous between
+  steps, so a decode step reads them instead of gathering every block again.
+- FlashKVCache (flash-attn on CUDA): flash-attn reads the pools through the block tables; a decode
+  step runs at a fixed batch size per bucket (`bucket`), captured once as a CUDA graph
+  (`cuda_graph`) and replayed.
+- CpuForward: the CPU speed-ups of the model call (transposed weight copies, torch.compile).
+- upload: host lists to the device through pinned memory, so the copy does not sync.
+
+The cut: this file imports only torch and model.py, never rollout.py. The two caches are mixins
+written over the plain cache's methods (they call super() for all they leave alone); `kv_cache`, the
+one factory, is handed rollout.PagedKVCache by the Engine and mixes the chosen fast path over it.
+"""
+
+import contextlib
+import functools
+import itertools
+
+import torch
+
+from model import Linear, flash_attn_varlen_func, flash_attn_with_kvcache
+
+
+def upload(values, device, dtype=None):
+    """A host list or tensor on device; on CUDA through pinned memory, so the copy does not sync."""
+    t = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+
+def kv_cache(paged, config, num_blocks, block_size, device, dtype, flash, row_budget, max_batch,
+             max_seq_lens):
+    """The cache an Engine runs on: paged (rollout.PagedKVCache, passed in so that this file need
+    not import rollout.py) with one fast path mixed in. flash (the Engine's use_flash):
+    FlashKVCache, its decode steps bucketed up to max_batch rows and tables as wide as the longest
+    of max_seq_lens needs; else RowKVCache, its row buffers holding at most row_budget token
+    positions (0: decode gathers blocks, as the plain path does)."""
+    if flash:
+        longest = max(max_seq_lens) if max_seq_lens else config.max_position_embeddings
+        return _over(FlashKVCache, paged)(config, num_blocks, block_size, device, dtype,
+                                          max_batch, longest)
+    return _over(RowKVCache, paged)(config, num_blocks, block_size, device, dtype, row_budget)
+
+
+@functools.cache
+def _over(fast, paged):
+    """The class of fast mixed over paged: fast's methods first, the plain cache's behind them."""
+    return type(fast.__name__, (fast, paged), {"__doc__": fast.__doc__})
+
+
+class RowKVCache:
+    """Fast path 1 (the default without flash-attn, CPU or CUDA): while the same sequences keep
+    decoding, each step writes its one token per row into contiguous row buffers
+    [2, rows, Hkv, capacity, D] as well as into the pool, and reads the rows instead of gathering
+    every block again (17-38% of the rollout bench's rows on CPU). A new set of rows, or a row that
+    outgrows them, lays them out again, refilled from the pool once. Rows are padded to the
+    longest: past row_budget tokens, decode gathers blocks as the plain path does."""
+
+    row_headroom = 128  # free positions past the longest row when the rows are laid out
+
+    def __init__(self, config, num_blocks, block_size, device, dtype, row_budget):
+        super().__init__(config, num_blocks, block_size, device, dtype)
+        self.row_budget = row_budget   # rows x capacity <= row_budget
+        self.rows, self.row_cached = None, {}
+        self.row_kv = [torch.zeros(2, 0, 0, 0, 0)]
+
+    def decode_order(self, batch):
+        """Longest first; the same rows in the same order while the same sequences keep decoding."""
+        same_rows = {id(s): s.num_cached for s in batch} == self.row_cached
+        if same_rows and max(map(len, batch)) <= self.row_kv[0].shape[3]:
+            return self.rows  # last step's rows, one token longer each (self.rows keeps ids alive)
+        rows, step = sorted(batch, key=len, reverse=True), self.row_headroom
+        capacity = -(-(len(rows[0]) + step) // step) * step
+        if len(rows) * capacity <= self.row_budget:
+            self.rows, self.row_cached = rows, None
+        else:
+            self.rows, self.row_cached = None, {}
+        _, have_rows, _, have_capacity, _ = self.row_kv[0].shape
+        if self.rows and (len(rows) > have_rows or capacity > have_capacity):
+            if capacity > have_capacity:  # geometric growth: a long decode reallocates log(n) times
+                capacity = max(capacity, min(2 * have_capacity, self.row_budget // len(rows)))
+            self.row_kv = None  # free the old buffers first
+            _, _, _, hkv, d = self.kv[0].shape
+            self.row_kv = [torch.zeros(2, len(rows), hkv, capacity, d, device=self.device,
+                                       dtype=p.dtype)
+                           for p in self.kv]
+        self.stale = True  # refill from the pool before the step
+        return rows
+
+    def begin(self, batch, decode):
+        layout = super().begin(batch, decode)
+        self.use_rows = decode and bool(self.rows)  # a bool: what torch.compile guards
+        if self.use_rows and self.stale:  # copy every row's cached K/V out of the pool, head-major
+            for layer, rows in enumerate(self.row_kv):
+                pool = self._gather(layer, self.block_tables.flatten().long())
+                pool = pool.view(2, len(batch), -1, *self.kv[0].shape[3:])
+                width = min(pool.shape[2], rows.shape[3])  # the last block may overhang the buffer
+                rows[:, :len(batch), :, :width].copy_(pool[:, :, :width].transpose(2, 3))
+            self.stale = False
+        if self.use_rows:  # after this step every row holds len(seq) tokens
+            self.row_cached = {id(s): len(s) for s in batch}
+            # K/V c of row r, head h goes to flat index ((c * R + r) * Hkv + h) * cap + len - 1
+            _, R, hkv, cap, _ = self.row_kv[0].shape
+            index = [((c * R + r) * hkv + h) * cap + n - 1
+                     for r, n in enumerate(self.k_lens) for c in (0, 1) for h in range(hkv)]
+            self.row_index = upload(index, self.device, torch.long)
+        return layout
+
+    def _attend_decode(self, layer, q, kv):
+        if self.use_rows:  # the step's token into each row, then the rows are read, not the blocks
+            d = q.shape[-1]
+            self.row_kv[layer].view(-1, d).index_copy_(0, self.row_index, kv.view(-1, d))
+        return super()._attend_decode(layer, q, kv)
+
+    def _group_kv(self, layer, start, end, width):
+        if self.use_rows:
+            return self.row_kv[layer][:, start:end, :, :width]
+        return super()._group_kv(layer, start, end, width)
+
+
+def bucket(n):
+    """The batch size a flash decode step runs at: the next power of two (a CUDA graph is captured
+    per bucket)."""
+    return 1 << (n - 1).bit_length()
+
+
+def cuda_graph(fn, pool):
+    """fn() captured in a CUDA graph; returns replay(), which reruns it on the same buffers,
+    returning its output."""
+    fn()  # warm-up outside the capture: lazy initialisation and the allocator's first requests
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = fn()
+
+    def replay():
+        graph.replay()
+        return out
+    return replay
+
+
+class FlashKVCache:
+    """Fast path 2 (flash-attn on CUDA, blocks of 256): flash-attn reads the pools through the block
+    tables, a prefill with flash_attn_varlen_func, a decode step with flash_attn_with_kvcache. A
+    decode step (`decode_step`, which the Engine calls instead of begin and the model) is laid out
+    by begin_bucketed in static buffers at a fixed batch size per bucket (the next power of two),
+    so it is captured once per bucket as a CUDA graph and replayed."""
+
+    def __init__(self, config, num_blocks, block_size, device, dtype, max_batch, longest):
+        super().__init__(config, num_blocks, block_size, device, dtype)
+        self.num_blocks, self.max_batch = num_blocks, max_batch
+        self.max_blocks = min(num_blocks, -(-longest // block_size))  # a bucketed table's width
+        self.static = None
+        self.use_graphs = device.type == "cuda"
+        self.graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        self.graphs = {}         # bucket -> step (its CUDA graph's replay, or the eager step)
+        self.weights_at = None   # where the weights were when the graphs were captured
+
+    def new_rollout(self, model):
+        """The CUDA graphs dropped if the weights moved (FSDP gathers them into new memory for every
+        rollout), since a graph replays the addresses it was captured with."""
+        weights_at = [p.data_ptr() for p in model.parameters()]
+        if weights_at != self.weights_at:
+            self.graphs, self.weights_at = {}, weights_at
+
+    def begin(self, batch, decode):  # prefills only: decode_step lays out decode steps
+        layout = super().begin(batch, decode)
+        self.cu_q_t = upload(self.cu_q, self.device, torch.int32)
+        cu_k = list(itertools.accumulate(self.k_lens, initial=0))
+        self.cu_k_t = upload(cu_k, self.device, torch.int32)
+        return layout
+
+    def decode_step(self, model, batch):
+        """The logits [len(batch), V] of one decode step, run at its bucket's batch size: on CUDA
+        one graph per bucket, captured at the bucket's first step and replayed after."""
+        width = max(len(s.block_table) for s in batch)
+        if width > self.max_blocks:  # a reused engine meets a longer sequence: widen, graphs anew
+            self.max_blocks = min(self.num_blocks, 2 * width)
+            self.static, self.graphs = None, {}
+        b = self.begin_bucketed(batch)
+        if b not in self.graphs:
+            step = functools.partial(self._bucketed_step, model, b)
+            self.graphs[b] = cuda_graph(step, self.graph_pool) if self.use_graphs else step
+        return self.graphs[b]()[:len(batch)]
+
+    def begin_bucketed(self, batch):
+        """Lay out a decode step in static buffers at the bucket's batch size; returns the bucket.
+        Padded rows write the spare block and read one token of it, so real rows see nothing of
+        them."""
+        n, b, dev = len(batch), bucket(len(batch)), self.device
+        if self.static is None:  # ids, positions, slots, lengths; block tables (int32 for flash)
+            rows = bucket(self.max_batch)
+            self.static = (torch.zeros(4, rows, dtype=torch.int32, device=dev),
+                           torch.zeros(rows, self.max_blocks, dtype=torch.int32, device=dev))
+        meta, tables = self.static
+        bs, lens, pad = self.block_size, [len(s) for s in batch], b - n
+        slots = [s.block_table[(k - 1) // bs] * bs + (k - 1) % bs for s, k in zip(batch, lens)]
+        ids = [s.token_ids[-1] for s in batch]
+        meta[:, :b].copy_(upload([ids + [0] * pad, [k - 1 for k in lens] + [0] * pad,
+                                  slots + [self.spare_slot] * pad, lens + [1] * pad],
+                                 dev, torch.int32))
+        width, spare = self.max_blocks, self.spare_slot // bs
+        rows = [s.block_table + [0] * (width - len(s.block_table)) for s in batch]
+        tables[:b].copy_(upload(rows + [[spare] * width] * pad, dev, torch.int32))
+        self.seqs, self.decode = batch, True
+        self.context_lens, self.block_tables = meta[3, :b], tables[:b]
+        return b
+
+    def _bucketed_step(self, model, b):
+        """The decode step of bucket b. It reads only the static buffers, so its CUDA graph replays
+        any step of that bucket."""
+        meta = self.static[0][:, :b]
+        slots = meta[2].long()
+        self.pool_index = torch.stack([slots, slots + self.v_offset], 1)
+        ids, positions = meta[0, :, None].long(), meta[1, :, None].long()
+        h = model.hidden(ids, positions=positions, kv_cache=self)
+        return model.lm_head(h[:, 0]).float()
+
+    def attend(self, layer, q, k, v):
+        shape, pool = q.shape, self.kv[layer]
+        q, _ = self.write(layer, q, k, v)
+        if self.decode:
+            out = flash_attn_with_kvcache(q[:, None], pool[0], pool[1],
+                                          cache_seqlens=self.context_lens,
+                                          block_table=self.block_tables, causal=True)[:, 0]
+        else:
+            out = flash_attn_varlen_func(q, pool[0], pool[1], self.cu_q_t, self.cu_k_t,
+                                         max(self.q_lens), max(self.k_lens), causal=True,
+                                         block_table=self.block_tables)
+        return out.reshape(shape)
+
+
+def transposed_weights(module, old=None):
+    """{Linear in module: (version, contiguous [in, out] copy of its weight)}, for `transposed`;
+    entries of `old` whose weight is unchanged (same storage, same version counter) are reused, the
+    others remade."""
+    new = {}
+    # old holds the same modules: no walk of the module tree
+    for m in old or [m for m in module.modules() if isinstance(m, Linear)]:
+        w = m.weight
+        version = (w.data_ptr(), -1 if w.is_inference() else w._version)
+        new[m] = old[m] if old and old[m][0] == version else (version, w.detach().t().contiguous())
+    return new
+
+
+@contextlib.contextmanager
+def transposed(copies):
+    """Inside, each Linear of `copies` multiplies by its transposed copy."""
+    for m, (_, wt) in copies.items():
+        m.__dict__["weight_t"] = wt  # not Module.__setattr__: this runs every decode step
+    try:
+        yield
+    finally:
+        for m in copies:
+            m.__dict__.pop("weight_t", None)
+
+
+class CpuForward:
+    """The model call of the Engine's eager steps, with its CPU speed-ups: matmuls against
+    transposed weight copies (model.Linear; remade when a weight changes), and with compile=True,
+    decode steps of one length group through torch.compile (needs a C++ compiler; each new graph
+    compiles for ~30 s: with and without a padding mask, one row and more; other steps run
+    eagerly). Elsewhere it is model.hidden as it is."""
+
+    def __init__(self, model, compile=False):
+        self.model, self.weights_t = model, {}   # weights_t: CPU [in, out] copies
+        self.compiled = torch.compile(model.hidden, dynamic=True) if compile else None
+
+    @contextlib.contextmanager
+    def __call__(self, cache, decode):
+        """Yields the function to run the step with (model.hidden or its compiled twin); the lm_head
+        belongs inside the with block too, so that it also multiplies by its transposed copy."""
+        if cache.device.type == "cpu":
+            self.weights_t = transposed_weights(self.model, self.weights_t)
+        with transposed(self.weights_t):
+            one_group = decode and self.compiled and len(cache.groups) == 1
+            yield self.compiled if one_group else self.model.hidden
