@@ -576,10 +576,10 @@ def main(argv=None):
     if not cfg.model:
         raise SystemExit("--model DIR is required (a Hugging Face checkpoint directory)")
     with distributed() as (rank, world, device, _):
-        from multinode import same_model
-        cfg.model = same_model(resolve_model(cfg.model))  # every rank the same weights, or stop
         problems = load_problems(cfg)
         start_sandbox(cfg.sandbox_workers, cfg.sandbox_require, rank)
+        from multinode import same_model
+        cfg.model = same_model(resolve_model(cfg.model))  # every rank the same weights, or stop
         model_name = os.path.basename(os.path.normpath(cfg.model))
         out_dir = cfg.out or os.path.join("runs", "eval", model_name)
         if cfg.dtype:

@@ -51,6 +51,7 @@ def check_shared(out_dir, inputs):
     collective; nothing in a world of one."""
     if world_size() == 1:
         return
+    _object_group(dist.group.WORLD)  # made now, while the ranks are together (a collective)
     rank = dist.get_rank()
     marker = os.path.join(out_dir, ".shared_check")
     token = f"{host()} {time.time_ns()}" if rank == 0 else None
@@ -99,6 +100,8 @@ def weights_hash(path, samples=16, chunk=1 << 20):
 def same_model(path):
     """path on every rank, after checking that every rank names the same model and reads the same
     weights (else one line naming the ranks' paths and hashes). A collective."""
+    if world_size() > 1:
+        _object_group(dist.group.WORLD)  # made now, while the ranks are together (a collective)
     seen = all_gather_list([(path, weights_hash(path) if os.path.isdir(path) else None, host())])
     if len({(p, h) for p, h, _ in seen}) > 1:
         ranks = "; ".join(f"rank {r} ({where}): {p} (weights {h})"

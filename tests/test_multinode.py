@@ -32,7 +32,7 @@ def launch(node, port, cwd, script, args, nodes=2):
     """One "node": torchrun with one process, rendezvous at 127.0.0.1:port."""
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}",
            "--nproc_per_node=1", f"--node_rank={node}", "--master_addr=127.0.0.1",
-           f"--master_port={port}", os.path.join(ROOT, script), *args]
+           f"--master_port={port}", os.path.join(ROOT, script), "--", *args]
     return subprocess.Popen(cmd, cwd=cwd, env=ENV, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
@@ -82,6 +82,23 @@ def test_nodes_without_a_shared_disk_stop_at_start_up(tmp_path):
     assert "rank 1 (" in line[0] and "out_dir runs/toy/rl" in line[0], line[0]
     assert "runs/toy/data/train.jsonl (missing)" in line[0], line[0]
     assert not (cwds[1] / "runs" / "toy" / "rl").exists()
+
+
+def test_nodes_that_would_evaluate_different_weights_stop(tiny_ckpt, tool_policy, tmp_path):
+    """The same --model path names another model on each node's disk (each its own newest
+    policy): both stop with one line naming each rank's weights hash, instead of reporting the
+    mean of two models under one name."""
+    import shutil
+    from data.tiny import build_tiny_checkpoint
+    cwds = [tmp_path / "node0", tmp_path / "node1"]
+    shutil.copytree(tiny_ckpt, cwds[0] / "runs" / "policy")
+    build_tiny_checkpoint(str(cwds[1] / "runs" / "policy"), seed=1)
+    args = ["--model=runs/policy", f"--data={tool_policy[2]}", "--n=1", "--limit=1",
+            "--max_response_tokens=8", "--out=runs/eval"]
+    codes, outs = two_nodes(cwds, "evaluate.py", args)
+    assert codes[0] != 0 and codes[1] != 0, outs[0][-2000:]
+    line = [x for x in outs[0].splitlines() if "different models" in x]
+    assert line and "rank 0" in line[0] and "rank 1 (" in line[0], outs[0][-3000:]
 
 
 @pytest.fixture(scope="module")
