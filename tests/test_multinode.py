@@ -94,7 +94,7 @@ def test_nodes_that_would_evaluate_different_weights_stop(tiny_ckpt, tool_policy
     shutil.copytree(tiny_ckpt, cwds[0] / "runs" / "policy")
     build_tiny_checkpoint(str(cwds[1] / "runs" / "policy"), seed=1)
     args = ["--model=runs/policy", f"--data={tool_policy[2]}", "--n=1", "--limit=1",
-            "--max_response_tokens=8", "--out=runs/eval"]
+            "--max_response_tokens=8", "--out=runs/eval", "--sandbox_workers=1"]
     codes, outs = two_nodes(cwds, "evaluate.py", args)
     assert codes[0] != 0 and codes[1] != 0, outs[0][-2000:]
     line = [x for x in outs[0].splitlines() if "different models" in x]
@@ -343,13 +343,16 @@ def test_resume_is_rank_0s_decision_or_an_error(saved_run, monkeypatch):
     """Rank 1 on another disk: when rank 0 sees no checkpoint but rank 1 does, or rank 1 cannot
     read the one rank 0 chose, every rank stops with one line instead of a per-disk accident."""
     monkeypatch.setattr(checkpoint.dist, "get_rank", lambda: 1)
-    monkeypatch.setattr(checkpoint, "broadcast_object", lambda obj: (None, []))
+    # rank 0's view as it arrives on rank 1 (a tuple: what rank 1 sends; else the list of old)
+    monkeypatch.setattr(checkpoint, "broadcast_object",
+                        lambda obj: (None, []) if isinstance(obj, tuple) else [])
     monkeypatch.setattr(checkpoint, "all_gather_list",
                         lambda items: [("node0", [], False)] + list(items), raising=False)
     with pytest.raises(SystemExit, match=r"rank 1 on .* sees .*step_000002, rank 0 none"):
         checkpoint.latest_resumable(saved_run)
     elsewhere = "/elsewhere/step_000009"
-    monkeypatch.setattr(checkpoint, "broadcast_object", lambda obj: (elsewhere, []))
+    monkeypatch.setattr(checkpoint, "broadcast_object",
+                        lambda obj: (elsewhere, []) if isinstance(obj, tuple) else [(9, elsewhere)])
     with pytest.raises(SystemExit, match=f"rank 1 on .* cannot read {elsewhere}"):
         checkpoint.latest_resumable(saved_run)
 
