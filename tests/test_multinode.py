@@ -169,10 +169,13 @@ def test_srun_without_torchrun_is_refused(monkeypatch):
     monkeypatch.setattr(common.torch.cuda, "is_available", lambda: False)
     monkeypatch.setenv("SLURM_PROCID", "1")
     monkeypatch.setenv("SLURM_NTASKS", "8")
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "8")
     with pytest.raises(SystemExit, match=r"Slurm task 1 of 8 without torchrun.*srun .*torchrun"):
         common.setup_distributed()
-    monkeypatch.setenv("SLURM_NTASKS", "1")
-    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "1")
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "1")   # srun -n 1 python rl.py
+    assert common.setup_distributed()[:2] == (0, 1)
+    monkeypatch.delenv("SLURM_STEP_NUM_TASKS")        # python rl.py in a batch script
+    monkeypatch.setenv("SLURM_PROCID", "0")
     assert common.setup_distributed()[:2] == (0, 1)
 
 
@@ -375,3 +378,25 @@ def test_transposed_weights_are_remade_after_an_optimizer_step():
     assert torch.equal(copies[lin][1], lin.weight.detach().t())
     again = fastkv.transposed_weights(lin, copies)   # no update since: the same copy, not remade
     assert again[lin][1] is copies[lin][1]
+
+
+def test_a_checkpoint_not_written_whole_is_not_put_in_place(saved_run, tiny_ckpt, monkeypatch):
+    """save_checkpoint reads its checkpoint back before renaming it into place: a trainer.pt
+    written short (a full disk) stops the run naming the file; step 2 stays the one to resume."""
+    from model import Transformer
+    from transformers import AutoTokenizer
+    model = Transformer.from_pretrained(tiny_ckpt)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    real = torch.save
+
+    def short(obj, f, *args, **kwargs):
+        real(obj, f, *args, **kwargs)
+        if str(f).endswith("trainer.pt"):
+            os.truncate(f, 10)
+    monkeypatch.setattr(checkpoint.torch, "save", short)
+    with pytest.raises(SystemExit, match=r"step 3 was not written whole: .*trainer.pt: unread"):
+        checkpoint.save_checkpoint(saved_run, 3, model, opt, AutoTokenizer.from_pretrained(
+            tiny_ckpt), {"config": {}}, keep=2)
+    monkeypatch.undo()
+    assert checkpoint.latest_resumable(saved_run).endswith("step_000002")
+    assert os.readlink(os.path.join(saved_run, "final")) == "step_000002"
