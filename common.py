@@ -1,7 +1,8 @@
 """common.py: what every stage shares: one flag parser, distributed set-up and the few collectives
 the trainers use (none of them runs in a one-process run), rank-0 printing, hub-id resolution,
 FSDP2 model building (where the trainers' x world comes from), the sandbox's start-up check.
-Beside it: checkpoint.py (save, resume), runlog.py (metrics.jsonl, wandb, kept trajectories)."""
+Beside it: checkpoint.py (save, resume), runlog.py (metrics.jsonl, wandb, kept trajectories),
+multinode.py (the start-up checks of a run over several nodes)."""
 
 import argparse
 import contextlib
