@@ -3,15 +3,18 @@ Face directory (what evaluate.py and the next stage load) plus train_state/ (sha
 optimizer, each rank's RNG, the trainer's dict) for an exact resume; written under a temporary
 name and renamed once complete, so a killed run leaves the previous one whole."""
 
+import json
 import os
 import random
 import shutil
+import socket
+import struct
 import warnings
 
 import torch
 import torch.distributed as dist
 
-from common import barrier, broadcast_object, world_size
+from common import all_gather_list, barrier, broadcast_object, world_size
 
 
 def check_resume(saved, current, fields_that_matter, allow):
@@ -36,13 +39,83 @@ def checkpoints(out_dir, resumable=False):
     return sorted(found)
 
 
+def damaged_weights(path):
+    """What is wrong with a Hugging Face directory's safetensors files ("FILE: what"), else None:
+    each file must hold its header and every tensor the header lists (a truncated copy does not)."""
+    for name in sorted(os.listdir(path)):
+        if not name.endswith(".safetensors"):
+            continue
+        file = os.path.join(path, name)
+        size = os.path.getsize(file)
+        try:
+            with open(file, "rb") as f:
+                n = struct.unpack("<Q", f.read(8))[0]
+                header = json.loads(f.read(n)) if 8 + n <= size else None
+        except (struct.error, ValueError, UnicodeDecodeError):
+            header = None
+        if header is None:
+            return f"{file}: truncated or not a safetensors file ({size} bytes, no whole header)"
+        end = 8 + n + max([t["data_offsets"][1] for k, t in header.items()
+                           if k != "__metadata__"], default=0)
+        if size < end:
+            return f"{file}: truncated ({size} of {end} bytes)"
+    return None
+
+
+def damaged(path):
+    """What is wrong with checkpoint path ("FILE: what"), else None: its weights, the trainer
+    dict and RNG files, and every shard the train_state metadata lists, at its full length."""
+    from torch.distributed.checkpoint import FileSystemReader
+    state = os.path.join(path, "train_state")
+    problem = damaged_weights(path)
+    for name in sorted(os.listdir(state)) if not problem else []:
+        if name.endswith(".pt"):
+            try:
+                torch.load(os.path.join(state, name), weights_only=False)
+            except Exception as e:
+                return f"{os.path.join(state, name)}: unreadable ({type(e).__name__})"
+    dcp_dir = os.path.join(state, "dcp")
+    try:
+        shards = FileSystemReader(dcp_dir).read_metadata().storage_data.values()
+    except Exception as e:
+        return problem or f"{dcp_dir}/.metadata: unreadable ({type(e).__name__})"
+    for info in [] if problem else shards:
+        file = os.path.join(dcp_dir, info.relative_path)
+        size = os.path.getsize(file) if os.path.exists(file) else 0
+        if size < info.offset + info.length:
+            return f"{file}: truncated ({size} of at least {info.offset + info.length} bytes)"
+    return problem
+
+
 def latest_resumable(out_dir):
-    """Rank 0's newest resumable checkpoint, the same on every rank (None when there is none).
-    Every rank then reads its shard from it: with --nnodes > 1, out_dir must be on a shared
-    filesystem."""
-    found = checkpoints(out_dir, resumable=True)[-1:] if dist.get_rank() == 0 else None
-    found = broadcast_object(found)
-    return found[0][1] if found else None
+    """Rank 0's newest resumable checkpoint that is whole, the same on every rank (None when
+    there is none); a damaged newer one is named and passed over. One decision for all ranks:
+    stops when a rank cannot read the chosen checkpoint, or sees one where rank 0 sees none
+    (out_dir must be one shared directory)."""
+    chosen, skipped = None, []
+    if dist.get_rank() == 0:
+        for step, path in reversed(checkpoints(out_dir, resumable=True)):
+            problem = damaged(path)
+            if problem is None:
+                chosen = path
+                break
+            skipped.append(problem)
+    chosen, skipped = broadcast_object((chosen, skipped))
+    if skipped and chosen is None:
+        raise SystemExit(f"cannot resume: {skipped[0]}; {out_dir} holds no older whole "
+                         f"checkpoint with its train_state (--keep_checkpoints / "
+                         f"--keep_train_state keep more)")
+    for problem in skipped if dist.get_rank() == 0 else []:
+        print(f"passing over a damaged checkpoint: {problem}; resuming from {chosen}")
+    mine = checkpoints(out_dir, resumable=True)[-1:]
+    unread = chosen and not os.path.exists(os.path.join(chosen, "train_state", "dcp", ".metadata"))
+    views = all_gather_list([(socket.gethostname(), mine and mine[0][1], unread)])
+    for rank, (where, seen, unread) in enumerate(views):
+        if unread or (chosen is None and seen):
+            what = f"cannot read {chosen}" if unread else f"sees {seen}, rank 0 none"
+            raise SystemExit(f"resume: rank {rank} on {where} {what}: every rank must resume "
+                             f"from the same checkpoint, out_dir {out_dir} must be shared")
+    return chosen
 
 
 def save_checkpoint(out_dir, step, model, optimizer, tokenizer, trainer, base_path=None,
@@ -84,9 +157,12 @@ def save_checkpoint(out_dir, step, model, optimizer, tokenizer, trainer, base_pa
                     cuda=torch.cuda.get_rng_state() if torch.cuda.is_available() else None),
                os.path.join(tmp, "train_state", f"rng_rank{rank}.pt"))
     barrier()
+    problem = None
     if rank == 0:
-        # written last: it marks the checkpoint complete
+        # written last: it marks the checkpoint complete, once read back whole
         torch.save(dict(trainer, step=step), os.path.join(tmp, "train_state", "trainer.pt"))
+        problem = damaged(tmp)
+    if rank == 0 and not problem:
         if os.path.exists(final):  # re-saving a step: move the old one aside (renames are atomic)
             os.rename(final, final + ".old")
         os.rename(tmp, final)
@@ -98,7 +174,9 @@ def save_checkpoint(out_dir, step, model, optimizer, tokenizer, trainer, base_pa
             os.remove(link)
         os.symlink(name, link)
         os.replace(link, os.path.join(out_dir, "final"))
-    barrier()  # nobody reads or resumes before rank 0 has finished writing
+    # nobody reads or resumes before rank 0 has finished writing
+    if problem := broadcast_object(problem):
+        raise SystemExit(f"the checkpoint of step {step} was not written whole: {problem}")
     return final
 
 

@@ -1,7 +1,8 @@
 """common.py: what every stage shares: one flag parser, distributed set-up and the few collectives
 the trainers use (none of them runs in a one-process run), rank-0 printing, hub-id resolution,
 FSDP2 model building (where the trainers' x world comes from), the sandbox's start-up check.
-Beside it: checkpoint.py (save, resume), runlog.py (metrics.jsonl, wandb, kept trajectories)."""
+Beside it: checkpoint.py (save, resume), runlog.py (metrics.jsonl, wandb, kept trajectories),
+multinode.py (the start-up checks of a run over several nodes)."""
 
 import argparse
 import contextlib
@@ -17,9 +18,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-# Long enough for a rollout of 64 x 16 trajectories of 20k tokens, or rank 0 writing a 4B
-# checkpoint, while the other ranks wait in a collective.
-DIST_TIMEOUT = timedelta(hours=2)
+# How long a rank waits in a collective (the trainers' --dist_timeout, in minutes): longer than
+# the ranks of a training step drift apart (uneven rollouts, rank 0 writing a 4B checkpoint), short
+# enough that a stuck node stops the job. Evaluations gather on a group of their own
+# (multinode.gather_objects).
+DIST_TIMEOUT = timedelta(minutes=30)
 
 
 def _bool(text):
@@ -74,16 +77,19 @@ def parse_config(cls, argv, doc="", presets=None):
     return cls(**args)
 
 
-def setup_distributed(device="auto"):
+def setup_distributed(device="auto", timeout_minutes=None):
     """(rank, world, device, under_torchrun). Always leaves a process group behind (a world of
     one when not under torchrun), so the code is the same in both cases; the collectives below
     skip a world of one."""
     if dist.is_initialized():
         cuda = dist.get_backend() == "nccl"
     else:
+        from multinode import refuse_bare_srun
+        refuse_bare_srun()
         cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
         alone = {} if "RANK" in os.environ else dict(store=dist.HashStore(), rank=0, world_size=1)
-        dist.init_process_group("nccl" if cuda else "gloo", timeout=DIST_TIMEOUT, **alone)
+        timeout = timedelta(minutes=timeout_minutes) if timeout_minutes else DIST_TIMEOUT
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout, **alone)
     dev = torch.device("cpu")
     if cuda:
         dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
@@ -92,12 +98,12 @@ def setup_distributed(device="auto"):
 
 
 @contextlib.contextmanager
-def distributed(device="auto"):
+def distributed(device="auto", timeout_minutes=None):
     """setup_distributed() for a with block. Leaving it normally, every rank waits for the others
     first (gloo aborts a rank whose peer tears the group down before it); a group made here is then
     destroyed. An exception skips the wait: a failing rank must not hang on its peers."""
     created = not dist.is_initialized()
-    info = setup_distributed(device)
+    info = setup_distributed(device, timeout_minutes)
     try:
         yield info
         if info[1] > 1:
@@ -153,13 +159,32 @@ def print0(*args):
 
 
 def resolve_model(path):
-    """A local directory as is; a hub id is downloaded by rank 0 first, then read from the cache."""
+    """A local directory as is, once its weight files are checked whole; a path that looks local
+    and is not there is refused. A hub id is downloaded once per node (each node has its own
+    cache) by its local rank 0, then read from the cache; one line when that fails."""
     if os.path.isdir(path):
+        from checkpoint import damaged_weights
+        if problem := damaged_weights(path):
+            raise SystemExit(f"--model {path}: {problem}")
         return path
+    if path.startswith(("./", "../", "/", "~", "runs/")) or os.path.isdir(os.path.dirname(path)):
+        raise SystemExit(f"--model {path}: no such directory (a hub id looks like owner/name)")
     from huggingface_hub import snapshot_download
-    local = snapshot_download(path) if dist.get_rank() == 0 else None
-    barrier()
-    return local or snapshot_download(path, local_files_only=True)
+    first, local, error = int(os.environ.get("LOCAL_RANK", 0)) == 0, None, None
+    try:
+        local = snapshot_download(path) if first else None
+    except Exception as e:  # offline, unknown id, no access: all end the run the same way
+        error = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}"
+    errors = [e for e in all_gather_list([error]) if e]
+    if not errors and local is None:
+        try:
+            local = snapshot_download(path, local_files_only=True)
+        except Exception as e:
+            errors = [f"{type(e).__name__}: not in this node's cache"]
+    if errors:
+        raise SystemExit(f"--model {path}: not a local directory, and the hub id could not be "
+                         f"fetched ({errors[0]}); offline, download it first or pass a directory")
+    return local
 
 
 def build_model(path, device, sharded):

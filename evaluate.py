@@ -513,10 +513,9 @@ def evaluate(model, tokenizer, problems, cfg, out_dir=None, progress=True, engin
             records += new
             bar.update(len(batch))
     lights = [light(r) for r in records]
-    if world > 1:
-        gathered = [None] * world
-        dist.all_gather_object(gathered, lights)
-        lights = [r for part in gathered for r in part]
+    if world > 1:  # ranks finish their shares far apart: a gather with a long timeout of its own
+        from multinode import gather_objects
+        lights = [r for part in gather_objects(lights) for r in part]
     ks = [int(k) for k in cfg.pass_k.split(",") if k.strip()] or None
     return records, summarize(lights, ks, cfg.verl_metrics)
 
@@ -568,7 +567,7 @@ def toy_arguments():
 
 def main(argv=None):
     import torch
-    from common import distributed, print0, start_sandbox
+    from common import distributed, print0, resolve_model, start_sandbox
     from runlog import Metrics
     from model import Transformer, attention_path
     from transformers import AutoTokenizer
@@ -579,6 +578,8 @@ def main(argv=None):
     with distributed() as (rank, world, device, _):
         problems = load_problems(cfg)
         start_sandbox(cfg.sandbox_workers, cfg.sandbox_require, rank)
+        from multinode import same_model
+        cfg.model = same_model(resolve_model(cfg.model))  # every rank the same weights, or stop
         model_name = os.path.basename(os.path.normpath(cfg.model))
         out_dir = cfg.out or os.path.join("runs", "eval", model_name)
         if cfg.dtype:
@@ -594,8 +595,8 @@ def main(argv=None):
         tokenizer = AutoTokenizer.from_pretrained(cfg.model)
         records, summary = evaluate(model, tokenizer, problems, cfg, out_dir=out_dir)
         if cfg.filter_out:
-            everyone = [None] * world
-            torch.distributed.all_gather_object(everyone, [light(r) for r in records])
+            from multinode import gather_objects
+            everyone = gather_objects([light(r) for r in records])
             if rank == 0:
                 write_filtered(problems, [r for part in everyone for r in part], cfg.filter_out)
         if rank == 0:

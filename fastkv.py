@@ -21,6 +21,7 @@ import functools
 import itertools
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from model import Linear, flash_attn_varlen_func, flash_attn_with_kvcache
 
@@ -232,15 +233,27 @@ class FlashKVCache:
         return out.reshape(shape)
 
 
+# Optimizer steps taken in this process. FSDP2 gathers updated weights into the same storage and
+# keeps their version counter, so address and version alone miss an update; the step count doesn't.
+OPTIMIZER_STEPS = [0]
+
+
+def _count_step(*_):
+    OPTIMIZER_STEPS[0] += 1
+
+
+register_optimizer_step_post_hook(_count_step)
+
+
 def transposed_weights(module, old=None):
     """{Linear in module: (version, contiguous [in, out] copy of its weight)}, for `transposed`;
-    entries of `old` whose weight is unchanged (same storage, same version counter) are reused, the
-    others remade."""
+    entries of `old` whose weight is unchanged (same storage, same version counter, no optimizer
+    step since) are reused, the others remade."""
     new = {}
     # old holds the same modules: no walk of the module tree
     for m in old or [m for m in module.modules() if isinstance(m, Linear)]:
         w = m.weight
-        version = (w.data_ptr(), -1 if w.is_inference() else w._version)
+        version = (w.data_ptr(), -1 if w.is_inference() else w._version, OPTIMIZER_STEPS[0])
         new[m] = old[m] if old and old[m][0] == version else (version, w.detach().t().contiguous())
     return new
 

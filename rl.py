@@ -46,10 +46,12 @@ import evaluate
 import rollout
 import sandbox
 from checkpoint import check_resume, latest_resumable, load_checkpoint, save_checkpoint
-from common import (all_gather_list, all_reduce, barrier, build_model, clip_grads, compute_dtype,
-                    distributed, is_fsdp, parse_config, print0, resolve_model, start_sandbox)
+from common import (all_gather_list, all_reduce, broadcast_object, build_model,
+                    clip_grads, compute_dtype, distributed, is_fsdp, parse_config, print0,
+                    resolve_model, start_sandbox)
 from data import toy
 from model import DTYPES, attention_path
+from multinode import check_shared, world_advice
 from runlog import Metrics, learning_curve, write_trajectories
 
 
@@ -121,6 +123,7 @@ class Config:  # defaults: the paper's recipe (docs/DESIGN.md: the source of eac
     save_trajectories: int = 1     # whole groups kept per step in out_dir/trajectories (0: none)
     wandb_project: str = ""        # log to Weights & Biases under this project ("": off)
     wandb_run: str = ""            # the wandb run's name ("": wandb's own)
+    dist_timeout: float = 30.0     # minutes a rank waits in a collective (a stuck node)
 
 
 # `python rl.py`: the toy tool-use task (data/toy.py) from the shipped SFT start, on a laptop CPU
@@ -314,16 +317,14 @@ def train(cfg):
     if cfg.loss_agg not in ("token-mean", "seq-mean-token-mean"):
         raise SystemExit(f"--loss_agg {cfg.loss_agg!r}: expected token-mean or "
                          f"seq-mean-token-mean")
-    with distributed() as (rank, world, device, sharded):
+    with distributed(timeout_minutes=cfg.dist_timeout) as (rank, world, device, sharded):
         if cfg.mini_batch_prompts % world:
-            raise SystemExit(f"mini_batch_prompts ({cfg.mini_batch_prompts}) must be a multiple "
-                             f"of the number of processes ({world}), so every rank holds part "
-                             f"of every mini-batch")
+            raise SystemExit(world_advice(cfg.mini_batch_prompts, cfg.prompts_per_step, world))
         if cfg.model == "toy":  # the toy preset: its problem files, and the SFT start
             if rank == 0:
                 toy.ensure()
-            barrier()
-            cfg.model = toy.sft_start()
+            cfg.model = broadcast_object(toy.sft_start())  # rank 0's: one start for every rank
+        check_shared(cfg.out_dir, [cfg.data, cfg.eval_data, cfg.model])
         return _train(cfg, rank, world, device, sharded)
 
 

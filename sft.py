@@ -37,6 +37,7 @@ from checkpoint import (check_resume, checkpoints, latest_resumable, load_checkp
 from common import (all_reduce, barrier, build_model, clip_grads, compute_dtype, distributed,
                     is_fsdp, parse_config, print0, resolve_model)
 from model import DTYPES, attention_path, cu_seqlens_from_lengths
+from multinode import check_shared
 from runlog import Metrics
 
 
@@ -72,6 +73,7 @@ class Config:  # defaults: the repo's SFT script (qwen3-4b-ra-sft), verl's sft_t
     log_every: int = 1
     wandb_project: str = ""        # log to Weights & Biases under this project ("": off)
     wandb_run: str = ""            # the wandb run's name ("": wandb's own)
+    dist_timeout: float = 30.0     # minutes a rank waits in a collective (a stuck node)
 
 
 # The toy pipeline (python sft.py): a 0.9M-parameter model from scratch learns in minutes what a
@@ -340,7 +342,7 @@ def train(cfg):
     if cfg.micro_batch_tokens < cfg.max_len:
         raise ValueError(f"micro_batch_tokens ({cfg.micro_batch_tokens}) must be >= max_len "
                          f"({cfg.max_len})")
-    with distributed(cfg.device) as (rank, world, device, sharded):
+    with distributed(cfg.device, cfg.dist_timeout) as (rank, world, device, sharded):
         return _train(cfg, rank, world, device, sharded)
 
 
@@ -403,6 +405,7 @@ def setup(cfg, rank, world, device, sharded):
         raise SystemExit(f"{cfg.out_dir} already holds checkpoints; pass --resume to continue "
                          f"that run, or choose another --out_dir")
     base_path, data_path = inputs(cfg, rank)
+    check_shared(cfg.out_dir, [data_path, base_path])
     tokenizer = AutoTokenizer.from_pretrained(base_path)
 
     t0 = time.time()
