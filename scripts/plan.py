@@ -124,7 +124,12 @@ def track_phases(model, cfg, device, world, opt=None):
     finally:
         del model.forward
         model.token_logprobs = fsdp_method
-    return {name: by_kind(snap) for name, snap in peaks.items()}
+    phases = {name: by_kind(snap) for name, snap in peaks.items()}
+    # generate runs no forward: what it adds beyond the shards is the gathered weights, which
+    # the tracker, seeing them gathered outside a forward, files as activations
+    gen = phases["generate"]
+    gen["params"], gen["activations"] = gen["params"] + gen["activations"], 0
+    return phases
 
 
 def by_kind(snap):
@@ -224,7 +229,9 @@ def main(argv=None):
         phases = plan_rank(config, cfg, rank, args.gpus, dtype)
         lines, ok = verdict(phases, config, cfg, args.gpu_memory_gib * GIB, args.attn == "flash",
                             dtype)
-        label = f"rank {rank}" if args.every_rank else f"ranks 0-{args.gpus - 1} (each alike)"
+        label = f"rank {rank}"
+        if args.gpus > 1 and not args.every_rank:
+            label = f"ranks 0-{args.gpus - 1} (each alike)"
         print(table(label, phases) + "\n" + "\n".join(lines) + "\n", flush=True)
         fits = fits and ok
     print(f"{'fits' if fits else 'does NOT fit'} ({time.time() - t0:.0f} s)")
