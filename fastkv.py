@@ -127,12 +127,17 @@ def bucket(n):
     return 1 << (n - 1).bit_length()
 
 
-def cuda_graph(fn, pool):
-    """fn() captured in a CUDA graph; returns replay(), which reruns it on the same buffers,
-    returning its output."""
-    fn()  # warm-up outside the capture: lazy initialisation and the allocator's first requests
+def cuda_graph(fn, pool, stream):
+    """fn() captured in a CUDA graph on `stream`; returns replay(), which reruns it on the same
+    buffers, returning its output. The warm-up runs on that stream too, outside the capture: lazy
+    initialisation, the allocator's first requests and cuBLAS's workspace for the stream (one per
+    stream; allocated inside a capture it would live in the graph pool and keep it alive)."""
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
+    with torch.cuda.graph(graph, pool=pool, stream=stream):
         out = fn()
 
     def replay():
@@ -154,16 +159,23 @@ class FlashKVCache:
         self.max_blocks = min(num_blocks, -(-longest // block_size))  # a bucketed table's width
         self.static = None
         self.use_graphs = device.type == "cuda"
-        self.graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
-        self.graphs = {}         # bucket -> step (its CUDA graph's replay, or the eager step)
+        self.capture_stream = torch.cuda.Stream(device) if self.use_graphs else None
+        self.reset_graphs()      # graphs: bucket -> step (its graph's replay, or the eager step)
         self.weights_at = None   # where the weights were when the graphs were captured
+
+    def reset_graphs(self):
+        """Drop every graph, and capture the next ones into a fresh memory pool: the old pool goes
+        with the graphs that used it, never shared with graphs captured after them."""
+        self.graphs = {}
+        self.graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
 
     def new_rollout(self, model):
         """The CUDA graphs dropped if the weights moved (FSDP gathers them into new memory for every
         rollout), since a graph replays the addresses it was captured with."""
         weights_at = [p.data_ptr() for p in model.parameters()]
         if weights_at != self.weights_at:
-            self.graphs, self.weights_at = {}, weights_at
+            self.reset_graphs()
+            self.weights_at = weights_at
 
     def begin(self, batch, decode):  # prefills only: decode_step lays out decode steps
         layout = super().begin(batch, decode)
@@ -178,11 +190,13 @@ class FlashKVCache:
         width = max(len(s.block_table) for s in batch)
         if width > self.max_blocks:  # a reused engine meets a longer sequence: widen, graphs anew
             self.max_blocks = min(self.num_blocks, 2 * width)
-            self.static, self.graphs = None, {}
+            self.static = None
+            self.reset_graphs()
         b = self.begin_bucketed(batch)
         if b not in self.graphs:
             step = functools.partial(self._bucketed_step, model, b)
-            self.graphs[b] = cuda_graph(step, self.graph_pool) if self.use_graphs else step
+            self.graphs[b] = (cuda_graph(step, self.graph_pool, self.capture_stream)
+                              if self.use_graphs else step)
         return self.graphs[b]()[:len(batch)]
 
     def begin_bucketed(self, batch):
