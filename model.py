@@ -348,6 +348,7 @@ class Transformer(nn.Module):
         self.tie_weights()
         self.attn_backend = "auto"           # "auto" | "sdpa" | "flash"
         self.gradient_checkpointing = False  # recompute each block in backward
+        self.bare_blocks = False  # call each block's forward itself: no module hooks (FSDP's)
 
     def tie_weights(self):
         if self.config.tie_word_embeddings:
@@ -375,7 +376,7 @@ class Transformer(nn.Module):
             if recompute:
                 x = torch.utils.checkpoint.checkpoint(layer, *args, use_reentrant=False)
             else:
-                x = layer(*args)
+                x = (layer.forward if self.bare_blocks else layer)(*args)
         return self.model.norm(x)
 
     def rope(self, positions, dtype):

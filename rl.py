@@ -548,9 +548,13 @@ def full_weights(model):
         model.set_reshard_after_forward(False)  # every unit
     for u in units:
         u.unshard()
+    # the blocks run without FSDP's hooks: with every weight gathered they have nothing to do, and
+    # a block called outside the root's forward would run the root's set-up on every call
+    model.bare_blocks = bool(units)
     try:
         yield model
     finally:
+        model.bare_blocks = False
         for u in units:
             u.reshard()
         if units:

@@ -110,3 +110,26 @@ def test_update_reduce_scatters_every_micro_batch(monkeypatch):
         assert seen[1] - seen[0] == direct
     finally:
         dist.destroy_process_group()
+
+
+def test_generation_runs_without_fsdp_hooks(monkeypatch):
+    """Inside rl.full_weights every weight is gathered: the rollout's forward calls no FSDP
+    pre-forward (one per block per step otherwise, each running the root's set-up)."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    import rollout
+    calls, real = [], FSDPParamGroup.pre_forward
+    monkeypatch.setattr(FSDPParamGroup, "pre_forward",
+                        lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+    try:
+        model = plan.shard(tiny_config(), torch.float32)
+        plan.materialize(model, rl.Config(**SMALL), fake=False)
+        model.eval()
+        with rl.full_weights(model):
+            rollout.generate(model, [[1, 2, 3]], 3, num_blocks=8)
+        assert calls == []
+        assert not model.bare_blocks
+    finally:
+        dist.destroy_process_group()
