@@ -157,7 +157,7 @@ class FlashKVCache:
         super().__init__(config, num_blocks, block_size, device, dtype)
         self.num_blocks, self.max_batch = num_blocks, max_batch
         self.max_blocks = min(num_blocks, -(-longest // block_size))  # a bucketed table's width
-        self.static = None
+        self.static, self.tables_key = None, None   # tables_key: what the static tables hold
         self.use_graphs = device.type == "cuda"
         self.capture_stream = torch.cuda.Stream(device) if self.use_graphs else None
         self.reset_graphs()      # graphs: bucket -> step (its graph's replay, or the eager step)
@@ -190,7 +190,7 @@ class FlashKVCache:
         width = max(len(s.block_table) for s in batch)
         if width > self.max_blocks:  # a reused engine meets a longer sequence: widen, graphs anew
             self.max_blocks = min(self.num_blocks, 2 * width)
-            self.static = None
+            self.static, self.tables_key = None, None
             self.reset_graphs()
         b = self.begin_bucketed(batch)
         if b not in self.graphs:
@@ -215,9 +215,17 @@ class FlashKVCache:
         meta[:, :b].copy_(upload([ids + [0] * pad, [k - 1 for k in lens] + [0] * pad,
                                   slots + [self.spare_slot] * pad, lens + [1] * pad],
                                  dev, torch.int32))
-        width, spare = self.max_blocks, self.spare_slot // bs
-        rows = [s.block_table + [0] * (width - len(s.block_table)) for s in batch]
-        tables[:b].copy_(upload(rows + [[spare] * width] * pad, dev, torch.int32))
+        # the tables change only when a row gains a block (every 256 tokens) or the rows change:
+        # other steps reuse the uploaded ones instead of rebuilding rows x width ints. The key holds
+        # each row's table list itself (a released sequence gets a new one) and its length
+        key = [tables, b] + [(s.block_table, len(s.block_table)) for s in batch]
+        old = self.tables_key
+        if not (old and len(old) == len(key) and old[0] is tables and old[1] == b and all(
+                x[0] is y[0] and x[1] == y[1] for x, y in zip(old[2:], key[2:]))):
+            width, spare = self.max_blocks, self.spare_slot // bs
+            rows = [s.block_table + [0] * (width - len(s.block_table)) for s in batch]
+            tables[:b].copy_(upload(rows + [[spare] * width] * pad, dev, torch.int32))
+            self.tables_key = key
         self.seqs, self.decode = batch, True
         self.context_lens, self.block_tables = meta[3, :b], tables[:b]
         return b

@@ -329,6 +329,30 @@ def test_graphs_dropped_take_a_fresh_pool(sharp, monkeypatch):
     assert cache.graphs == {} and cache.graph_pool not in (first, second)
 
 
+def test_bucketed_tables_uploaded_only_when_they_change(sharp, monkeypatch):
+    """A decode step re-uploads the block tables only when a row gained a block or the rows
+    changed (not rows x width ints every step); the tokens are the plain engine's, preemption and
+    shared prefixes included."""
+    model, _ = sharp
+    prompts = ragged_prompts(model.config.vocab_size)
+    prompts += [prompts[2]] * 2
+    want = generate(model, prompts, 12)
+    engine = flash_engine(model, monkeypatch, block_size=8, num_blocks=20)
+    cache, steps, rebuilt = engine.cache, [], []
+    real = type(cache).begin_bucketed
+
+    def spy(self, batch):
+        before = self.tables_key
+        out = real(self, batch)
+        steps.append(1)
+        rebuilt.append(self.tables_key is not before)
+        return out
+    monkeypatch.setattr(type(cache), "begin_bucketed", spy)
+    assert generate(model, prompts, 12, engine=engine) == want
+    assert engine.stats["preemptions"] > 0 and engine.stats["shared_tokens"] > 0
+    assert 0 < sum(rebuilt) < len(steps)   # blocks of 8: a row gains one every 8 steps
+
+
 def test_reused_flash_engine_takes_longer_sequences(sharp, monkeypatch):
     """The bucketed step's block tables have a fixed width, set from the first workload; a reused engine
     that meets a longer sequence (its pool has room for it) widens them and captures its graphs anew."""
