@@ -21,10 +21,10 @@ PHASES = ("generate", "old_logprob", "update", "optimizer")
 
 
 def dummy_sample(tokens, device):
-    """A sample of `tokens` + 1 ids whose every token is in the loss (the backward of a real one)."""
-    n = tokens
-    return dict(ids=[0] * (n + 1), prompt_len=1, mask=[1] * n, sampler_logprobs=[0.0] * n,
-                adv=0.0, old_logprobs=torch.zeros(n, device=device))
+    """A sample of `tokens` + 1 ids, every token in the loss (the backward of a real one)."""
+    return dict(ids=[0] * (tokens + 1), prompt_len=1, mask=[1] * tokens,
+                sampler_logprobs=[0.0] * tokens, adv=0.0,
+                old_logprobs=torch.zeros(tokens, device=device))
 
 
 def run_phases(model, opt, cfg, device, world, mark):
