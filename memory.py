@@ -52,8 +52,7 @@ def run_phases(model, opt, cfg, device, world, mark):
 
 def probe_optimizer(model, cfg):
     """An AdamW like the run's with lr 0 (and so no decay): its step allocates and touches what the
-    run's does, and moves no weight; its moments are freed with it. foreach, as AdamW picks on
-    CUDA (on CPU, where plan.py runs, it would pick the per-tensor loop)."""
+    run's does, and moves no weight; its moments are freed with it."""
     return torch.optim.AdamW(model.parameters(), lr=0.0, betas=(cfg.beta1, cfg.beta2),
                              weight_decay=cfg.weight_decay)
 
@@ -87,3 +86,21 @@ def kv_pool_tokens(config, budget, dtype, flash):
     block = 256 if flash else 16
     per_block = kv_token_bytes(config, dtype) * block
     return max(1, budget // per_block // (1 if flash else 2)) * block
+
+
+def run_sft_phases(model, opt, cfg, device, world, mark):
+    """sft.py's step on dummy tokens: sft.forward_backward over two packed micro-batches of
+    micro_batch_tokens (its micro-batch and gradient sync pattern), then AdamW's step."""
+    from types import SimpleNamespace
+
+    import sft
+    n = cfg.micro_batch_tokens
+    seq = (torch.zeros(n, dtype=torch.int32), torch.ones(n, dtype=torch.bool))
+    run = SimpleNamespace(train_seqs=[seq, seq], model=model, device=device, world=world, rank=0)
+    model.train()
+    mark("update")
+    sft.forward_backward(run, [0, 1], [[[0], [1]]] * world)
+    mark("optimizer")
+    opt.step()
+    mark(None)
+    opt.zero_grad(set_to_none=True)

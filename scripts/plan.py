@@ -1,7 +1,7 @@
 """Whether an RL recipe fits the GPUs, answered on a CPU before the node is rented:
 
     python scripts/plan.py [--gpus 8] [--gpu_memory_gib 80] [--model data/configs/qwen3-4b.json]
-                           [--attn flash|sdpa] [--every_rank] [rl.py's flags ...]
+                           [--attn flash|sdpa] [--every_rank] [--sft] [rl.py's (sft.py's) flags]
 
 Builds the real model (from a Hugging Face dir or just its config.json; no weights are read) on the
 meta device, shards it with FSDP2 as common.build_model does, and runs memory.run_phases (rl.py's
@@ -11,7 +11,9 @@ allocated, FSDPMemTracker counts what would be. FSDP2 pads every shard to the sa
 rank 0's table is every rank's (--every_rank runs each, 40 s apiece). Prints each phase's peak by
 kind (GiB), the KV pool that fits beside the largest phase (kv_memory_utilization x the GPU, as
 rl.py sizes it) in tokens and full-length sequences, then "fits" or what does not; exits 1 when
-something does not fit. The defaults are the paper's recipe (rl.Config) on 8 x 80 GB.
+something does not fit. The defaults are the paper's recipe (rl.Config) on 8 x 80 GB. --sft plans
+sft.py's step instead (memory.run_sft_phases: sft.forward_backward over two packed micro-batches
+of micro_batch_tokens, AdamW's step; no KV pool).
 
 Fake tensors carry shapes, not values: small host tensors (cu_seqlens, counts) keep theirs, every
 other value the code reads back is 1. The plan counts tensors torch allocates; the CUDA context,
@@ -95,8 +97,10 @@ def fake_values():
 
 
 def track_phases(model, cfg, device, world, opt=None):
-    """{phase: {kind: peak bytes}} of memory.run_phases under FSDPMemTracker (fake or real
-    tensors alike: the test runs it both ways)."""
+    """{phase: {kind: peak bytes}} of memory.run_phases (memory.run_sft_phases for an sft.Config)
+    under FSDPMemTracker (fake or real tensors alike: the test runs it both ways)."""
+    import sft
+    phases_of = memory.run_sft_phases if isinstance(cfg, sft.Config) else memory.run_phases
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     opt = opt or memory.probe_optimizer(model, cfg)
     tracker, peaks, current = FSDPMemTracker(model, opt), {}, [None]
@@ -120,15 +124,16 @@ def track_phases(model, cfg, device, world, opt=None):
     model.token_logprobs = each_forward_anew
     try:
         with tracker:
-            memory.run_phases(model, opt, cfg, device, world, mark)
+            phases_of(model, opt, cfg, device, world, mark)
     finally:
         del model.forward
         model.token_logprobs = fsdp_method
     phases = {name: by_kind(snap) for name, snap in peaks.items()}
     # generate runs no forward: what it adds beyond the shards is the gathered weights, which
     # the tracker, seeing them gathered outside a forward, files as activations
-    gen = phases["generate"]
-    gen["params"], gen["activations"] = gen["params"] + gen["activations"], 0
+    gen = phases.get("generate")
+    if gen:
+        gen["params"], gen["activations"] = gen["params"] + gen["activations"], 0
     return phases
 
 
@@ -158,7 +163,8 @@ def plan_rank(config, cfg, rank, world, dtype, fake=True):
 
 def materialize(model, cfg, fake):
     """shard()'s model on the CPU: fake tensors, or real ones with random weights."""
-    model.gradient_checkpointing = cfg.activation_checkpointing
+    model.gradient_checkpointing = getattr(cfg, "activation_checkpointing",    # rl.Config
+                                           getattr(cfg, "gradient_checkpointing", True))  # sft
     with torch.no_grad():
         model.to_empty(device="cpu")
         model.tie_weights()
@@ -169,9 +175,15 @@ def materialize(model, cfg, fake):
 
 
 def verdict(phases, config, cfg, gpu_bytes, flash, dtype):
-    """(lines, fits): the KV pool beside the largest phase, and what does not fit."""
-    usable = int(gpu_bytes * cfg.kv_memory_utilization)
+    """(lines, fits): the KV pool beside the largest phase, and what does not fit (sft.py: no
+    pool, its largest phase within the same 0.9 of the GPU)."""
+    usable = int(gpu_bytes * getattr(cfg, "kv_memory_utilization", 0.9))
     peak_name = max(phases, key=lambda k: phases[k]["total"])
+    if not hasattr(cfg, "kv_memory_utilization"):
+        need = phases[peak_name]["total"]
+        fits = need <= usable
+        return [f"{'' if fits else 'does not fit: '}{peak_name} needs {need / GIB:.1f} GiB of "
+                f"{usable / GIB:.1f} usable (0.9 x {gpu_bytes / GIB:.0f})"], fits
     budget = usable - phases[peak_name]["total"]
     full = cfg.max_prompt_tokens + cfg.max_response_tokens
     lines, fits = [], True
@@ -208,12 +220,17 @@ def parse(argv):
                    help="a Hugging Face dir or its config.json")
     p.add_argument("--attn", choices=("flash", "sdpa"), default="flash",
                    help="the GPU's rollout attention: flash-attn installed, or SDPA")
+    p.add_argument("--sft", action="store_true",
+                   help="plan sft.py's step (its flags; default the SFT recipe) instead of rl.py's")
     p.add_argument("--every_rank", action="store_true",
                    help="plan each rank in turn (default: rank 0, whose shards equal the others')")
     args, rest = p.parse_known_args(argv)
     if args.gpus < 1 or args.gpu_memory_gib <= 0:
         raise SystemExit(f"--gpus {args.gpus} / --gpu_memory_gib {args.gpu_memory_gib}: "
                          f"expected at least 1 GPU and memory > 0")
+    if args.sft:
+        import sft
+        return args, sft.parse_args(rest)
     return args, rl.parse_args(rest)
 
 
@@ -222,8 +239,8 @@ def main(argv=None):
     t0, dtype = time.time(), torch.bfloat16
     config = load_config(args.model)
     print(f"plan: {args.model} ({config.num_hidden_layers} layers, hidden {config.hidden_size}) "
-          f"on {args.gpus} x {args.gpu_memory_gib:g} GiB, micro-batches {cfg.micro_batch_tokens} "
-          f"/ {cfg.logprob_micro_batch_tokens} tokens, attention {args.attn}")
+          f"on {args.gpus} x {args.gpu_memory_gib:g} GiB, {'sft.py' if args.sft else 'rl.py'}, "
+          f"micro-batches {cfg.micro_batch_tokens} tokens, attention {args.attn}")
     fits, ranks = True, range(args.gpus if args.every_rank else 1)
     for rank in ranks:
         phases = plan_rank(config, cfg, rank, args.gpus, dtype)

@@ -133,3 +133,10 @@ def test_generation_runs_without_fsdp_hooks(monkeypatch):
         assert not model.bare_blocks
     finally:
         dist.destroy_process_group()
+
+
+def test_plan_of_an_sft_step(tmp_path, capsys):
+    code = plan.main(["--model", write_config(tmp_path), "--gpus", "2", "--gpu_memory_gib", "1",
+                      "--sft", "--max_len=256", "--micro_batch_tokens=256"])
+    out = capsys.readouterr().out
+    assert code == 0 and "sft.py" in out and "update needs" in out and "generate" not in out
