@@ -128,12 +128,17 @@ def bucket(n):
     return 1 << (n - 1).bit_length()
 
 
-def cuda_graph(fn, pool):
-    """fn() captured in a CUDA graph; returns replay(), which reruns it on the same buffers,
-    returning its output."""
-    fn()  # warm-up outside the capture: lazy initialisation and the allocator's first requests
+def cuda_graph(fn, pool, stream):
+    """fn() captured in a CUDA graph on `stream`; returns replay(), which reruns it on the same
+    buffers, returning its output. The warm-up runs on that stream too, outside the capture: lazy
+    initialisation, the allocator's first requests and cuBLAS's workspace for the stream (one per
+    stream; allocated inside a capture it would live in the graph pool and keep it alive)."""
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
+    with torch.cuda.graph(graph, pool=pool, stream=stream):
         out = fn()
 
     def replay():
@@ -153,18 +158,25 @@ class FlashKVCache:
         super().__init__(config, num_blocks, block_size, device, dtype)
         self.num_blocks, self.max_batch = num_blocks, max_batch
         self.max_blocks = min(num_blocks, -(-longest // block_size))  # a bucketed table's width
-        self.static = None
+        self.static, self.tables_key = None, None   # tables_key: what the static tables hold
         self.use_graphs = device.type == "cuda"
-        self.graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
-        self.graphs = {}         # bucket -> step (its CUDA graph's replay, or the eager step)
+        self.capture_stream = torch.cuda.Stream(device) if self.use_graphs else None
+        self.reset_graphs()      # graphs: bucket -> step (its graph's replay, or the eager step)
         self.weights_at = None   # where the weights were when the graphs were captured
+
+    def reset_graphs(self):
+        """Drop every graph, and capture the next ones into a fresh memory pool: the old pool goes
+        with the graphs that used it, never shared with graphs captured after them."""
+        self.graphs = {}
+        self.graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
 
     def new_rollout(self, model):
         """The CUDA graphs dropped if the weights moved (FSDP gathers them into new memory for every
         rollout), since a graph replays the addresses it was captured with."""
         weights_at = [p.data_ptr() for p in model.parameters()]
         if weights_at != self.weights_at:
-            self.graphs, self.weights_at = {}, weights_at
+            self.reset_graphs()
+            self.weights_at = weights_at
 
     def begin(self, batch, decode):  # prefills only: decode_step lays out decode steps
         layout = super().begin(batch, decode)
@@ -179,11 +191,13 @@ class FlashKVCache:
         width = max(len(s.block_table) for s in batch)
         if width > self.max_blocks:  # a reused engine meets a longer sequence: widen, graphs anew
             self.max_blocks = min(self.num_blocks, 2 * width)
-            self.static, self.graphs = None, {}
+            self.static, self.tables_key = None, None
+            self.reset_graphs()
         b = self.begin_bucketed(batch)
         if b not in self.graphs:
             step = functools.partial(self._bucketed_step, model, b)
-            self.graphs[b] = cuda_graph(step, self.graph_pool) if self.use_graphs else step
+            self.graphs[b] = (cuda_graph(step, self.graph_pool, self.capture_stream)
+                              if self.use_graphs else step)
         return self.graphs[b]()[:len(batch)]
 
     def begin_bucketed(self, batch):
@@ -202,9 +216,17 @@ class FlashKVCache:
         meta[:, :b].copy_(upload([ids + [0] * pad, [k - 1 for k in lens] + [0] * pad,
                                   slots + [self.spare_slot] * pad, lens + [1] * pad],
                                  dev, torch.int32))
-        width, spare = self.max_blocks, self.spare_slot // bs
-        rows = [s.block_table + [0] * (width - len(s.block_table)) for s in batch]
-        tables[:b].copy_(upload(rows + [[spare] * width] * pad, dev, torch.int32))
+        # the tables change only when a row gains a block (every 256 tokens) or the rows change:
+        # other steps reuse the uploaded ones instead of rebuilding rows x width ints. The key holds
+        # each row's table list itself (a released sequence gets a new one) and its length
+        key = [tables, b] + [(s.block_table, len(s.block_table)) for s in batch]
+        old = self.tables_key
+        if not (old and len(old) == len(key) and old[0] is tables and old[1] == b and all(
+                x[0] is y[0] and x[1] == y[1] for x, y in zip(old[2:], key[2:]))):
+            width, spare = self.max_blocks, self.spare_slot // bs
+            rows = [s.block_table + [0] * (width - len(s.block_table)) for s in batch]
+            tables[:b].copy_(upload(rows + [[spare] * width] * pad, dev, torch.int32))
+            self.tables_key = key
         self.seqs, self.decode = batch, True
         self.context_lens, self.block_tables = meta[3, :b], tables[:b]
         return b

@@ -157,6 +157,27 @@ def attention_path(backend, device, dtype):
             "half the KV budget for row buffers")
 
 
+def sdpa(q, k, v, mask=None, strict=None):
+    """SDPA over [B, H, T, D], causal when mask is None (else the boolean mask, True: attend), K/V
+    heads shared by groups of query heads. strict (default: on CUDA) keeps it off the math kernel,
+    which would materialise fp32 [H, q, k] scores (tens of GB for a long prefill): no fused
+    kernel takes a mask together with unequal head counts (flash takes no mask, the
+    memory-efficient kernel no GQA), so K/V are expanded to the query heads first, and a long
+    call runs with the math kernel disallowed: a fallback is an error, not an OOM."""
+    strict = q.is_cuda if strict is None else strict
+    groups = q.shape[1] // k.shape[1]
+    if strict and groups > 1 and (mask is not None or q.dtype == torch.float32):
+        k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    args = dict(attn_mask=mask, is_causal=mask is None, enable_gqa=k.shape[1] != q.shape[1])
+    if not (strict and q.is_cuda and q.shape[2] * k.shape[2] >= 1 << 22):
+        return F.scaled_dot_product_attention(q, k, v, **args)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    fused = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+             SDPBackend.CUDNN_ATTENTION]
+    with sdpa_kernel(fused):
+        return F.scaled_dot_product_attention(q, k, v, **args)
+
+
 def attention(q, k, v, packed=None, backend="auto"):
     """Causal attention, q [B, T, Hq, D], k/v [B, T, Hkv, D] -> [B, T, Hq, D]. packed: None or
     (cu_seqlens on the device, the same boundaries as a host list, the longest sequence)."""
@@ -172,11 +193,10 @@ def attention(q, k, v, packed=None, backend="auto"):
         return out.view(B, T, *out.shape[1:])
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))                                 # [B, H, T, D]
     if packed is None:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        out = sdpa(q, k, v)
     else:  # one causal attention per packed sequence, never across them
         bounds = packed[1]
-        outs = [F.scaled_dot_product_attention(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e],
-                                               is_causal=True, enable_gqa=True)
+        outs = [sdpa(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e])
                 for s, e in zip(bounds, bounds[1:])]
         out = torch.cat(outs, 2)
     return out.transpose(1, 2)
@@ -328,6 +348,7 @@ class Transformer(nn.Module):
         self.tie_weights()
         self.attn_backend = "auto"           # "auto" | "sdpa" | "flash"
         self.gradient_checkpointing = False  # recompute each block in backward
+        self.bare_blocks = False  # call each block's forward itself: no module hooks (FSDP's)
 
     def tie_weights(self):
         if self.config.tie_word_embeddings:
@@ -355,7 +376,7 @@ class Transformer(nn.Module):
             if recompute:
                 x = torch.utils.checkpoint.checkpoint(layer, *args, use_reentrant=False)
             else:
-                x = layer(*args)
+                x = (layer.forward if self.bare_blocks else layer)(*args)
         return self.model.norm(x)
 
     def rope(self, positions, dtype):

@@ -43,12 +43,13 @@ import torch
 import torch.distributed as dist
 
 import evaluate
+import memory
 import rollout
 import sandbox
 from checkpoint import check_resume, latest_resumable, load_checkpoint, save_checkpoint
-from common import (all_gather_list, all_reduce, broadcast_object, build_model,
-                    clip_grads, compute_dtype, distributed, is_fsdp, parse_config, print0,
-                    resolve_model, start_sandbox)
+from common import (all_gather_list, all_reduce, broadcast_object, build_model, clip_grads,
+                    compute_dtype, distributed, is_fsdp, parse_config, print0, resolve_model,
+                    start_sandbox)
 from data import toy
 from model import DTYPES, attention_path
 from multinode import check_shared, world_advice
@@ -390,6 +391,7 @@ def setup(cfg, rank, world, device, sharded):
         ref = build_model(path, device, sharded).requires_grad_(False)   # the frozen start
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                             weight_decay=cfg.weight_decay)
+    engine = make_engine(model, cfg, device, world, bool(eval_problems))
     start, evals = 0, {}
     resume_from = latest_resumable(cfg.out_dir) if cfg.resume else None
     if resume_from:
@@ -398,7 +400,6 @@ def setup(cfg, rank, world, device, sharded):
         start, evals = trainer["step"], trainer["evals"]
         print0(f"resumed from {resume_from} at step {start}")
     metrics = Metrics(os.path.join(cfg.out_dir, "metrics.jsonl"), cfg, start)
-    engine = make_engine(model, opt, cfg, device, world, bool(eval_problems))
     print0(f"rl: {len(problems)} problems, {steps} steps of {cfg.prompts_per_step} x "
            f"{cfg.samples_per_prompt}, world {world}, device {device}, KV pool "
            f"{engine.stats['kv_pool_tokens']} tokens per rank")
@@ -548,9 +549,13 @@ def full_weights(model):
         model.set_reshard_after_forward(False)  # every unit
     for u in units:
         u.unshard()
+    # the blocks run without FSDP's hooks: with every weight gathered they have nothing to do, and
+    # a block called outside the root's forward would run the root's set-up on every call
+    model.bare_blocks = bool(units)
     try:
         yield model
     finally:
+        model.bare_blocks = False
         for u in units:
             u.reshard()
         if units:
@@ -560,7 +565,8 @@ def full_weights(model):
 
 @contextmanager
 def phase(name, times, memory, device):
-    """times[name]: the seconds of the block; on CUDA memory[name]: its peak allocation in GiB."""
+    """times[name]: the seconds of the block; on CUDA memory[name]: its peak allocation in GiB
+    (and memory[name + '_reserved']: the allocator's peak reserve)."""
     t0 = time.time()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -568,46 +574,31 @@ def phase(name, times, memory, device):
     times[name] = time.time() - t0
     if device.type == "cuda":
         memory[name] = round(torch.cuda.max_memory_allocated(device) / 2**30, 3)
+        memory[name + "_reserved"] = round(torch.cuda.max_memory_reserved(device) / 2**30, 3)
 
 
-def trainer_peak(model, opt, cfg, device):
-    """CUDA bytes the run needs beside the KV pool at its peak, weights included: the larger of
-    training (a forward and backward of one update micro-batch of micro_batch_tokens and a no-grad
-    pass of one log-prob micro-batch, run once on dummy tokens) and generation (every weight
-    gathered at once in bf16: full_weights), each plus AdamW's two fp32 moments, which its first
-    step allocates. Every rank runs it (FSDP collectives)."""
-    torch.cuda.reset_peak_memory_stats(device)
-    for n, grad in ((cfg.logprob_micro_batch_tokens, False), (cfg.micro_batch_tokens, True)):
-        ids = torch.zeros(1, n, dtype=torch.long, device=device)
-        cu = torch.tensor([0, n], dtype=torch.int32, device=device)
-        model.train(grad)
-        with torch.set_grad_enabled(grad):
-            logp = model.token_logprobs(ids, ids, cu_seqlens=cu)
-            if grad:
-                (logp.sum() * 0.0).backward()
-    opt.zero_grad(set_to_none=True)
-    params = list(model.parameters())
-    shard = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in params)
-    gathered = sum(p.numel() for p in params) * compute_dtype(device).itemsize
-    train_peak = torch.cuda.max_memory_allocated(device)
-    generate_peak = torch.cuda.memory_allocated(device) + gathered
-    return max(train_peak, generate_peak) + 2 * 4 * shard
-
-
-def make_engine(model, opt, cfg, device, world, evaluating):
+def make_engine(model, cfg, device, world, evaluating):
     """The process's one Engine (KV pool and CUDA graphs), for every rollout and evaluation: its
     pool holds the larger of a step's and an evaluation batch's sequences at full length; on CUDA
-    no more than the device has left at the trainer's measured peak (kv_memory_utilization)."""
+    no more than the device has left at the largest peak of a step's phases, measured by running
+    them (memory.py; scripts/plan.py prints the same phases without a GPU). Built before a resume
+    loads AdamW's moments: the measured step allocates its own."""
     seqs = -(-cfg.prompts_per_step // world) * cfg.samples_per_prompt
     if evaluating:
         seqs = max(seqs, evaluate.EvalConfig.problems_per_batch * cfg.eval_n)
-    budget = None
+    budget, peaks = None, {}
     if device.type == "cuda":
-        peak = trainer_peak(model, opt, cfg, device)
-        budget = rollout.kv_budget(device, cfg.kv_memory_utilization, peak)
+        this = sys.modules[__name__]  # its full_weights, score_tokens and update: the step's own
+        peaks = memory.cuda_peaks(model, cfg, device, world, this)
+        budget = rollout.kv_budget(device, cfg.kv_memory_utilization, max(peaks.values()))
     lengths = [cfg.max_prompt_tokens + cfg.max_response_tokens] * seqs
-    return rollout.Engine(model, max_seq_lens=lengths, kv_cache_bytes=budget,
-                          dtype=compute_dtype(device))
+    engine = rollout.Engine(model, max_seq_lens=lengths, kv_cache_bytes=budget,
+                            dtype=compute_dtype(device))
+    if peaks:
+        print0("memory: " + ", ".join(f"{k} {v / 2**30:.1f}" for k, v in peaks.items())
+               + f" GiB at peak; KV budget {budget / 2**30:.1f} GiB, pool "
+               f"{engine.num_blocks * engine.blocks.block_size} tokens per rank")
+    return engine
 
 
 class TimedSandbox:
@@ -733,10 +724,10 @@ def update(model, opt, samples, num_tokens, num_seqs, cfg, device, world):
     model.train()
     opt.zero_grad(set_to_none=True)
     clip_high = cfg.clip_high if cfg.clip_higher else cfg.clip_low
-    totals, batches, fsdp = {}, pack(samples, cfg.micro_batch_tokens, device), is_fsdp(model)
-    for k, batch in enumerate(batches):
-        if fsdp:  # reduce-scatter the gradients once, after the last micro-batch
-            model.set_requires_gradient_sync(k == len(batches) - 1)
+    totals = {}
+    # FSDP2 reduce-scatters every micro-batch's gradient (as verl): a gradient kept unsharded
+    # between micro-batches (no sync) would hold the whole model's in fp32 on every rank
+    for batch in pack(samples, cfg.micro_batch_tokens, device):
         mb = micro_tensors(batch, device)
         want_entropy = cfg.entropy_coef > 0
         out = model.token_logprobs(mb["input_ids"], mb["targets"], cu_seqlens=mb["cu_seqlens"],
@@ -872,6 +863,9 @@ def print_step(rec, samples, cfg):
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
+    # before CUDA starts: memory is sized from allocated bytes, and with expandable segments the
+    # allocator's reserve stays near them across the step's changing shapes (no fragmentation)
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     train(parse_args(argv or ["--preset=toy"]))  # no arguments: the toy preset
 
 

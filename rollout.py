@@ -45,7 +45,7 @@ import torch.nn.functional as F
 import fastkv
 from data.prompts import CODE_INTERPRETER
 from fastkv import upload
-from model import use_flash
+from model import sdpa, use_flash
 
 
 @dataclass
@@ -298,8 +298,7 @@ class PagedKVCache:
                 # query j sits at position k_len - q_len + j and sees keys up to there
                 mask = torch.ones(q_len, k_len, dtype=bool, device=q.device).tril(k_len - q_len)
             qi, ki, vi = (t.transpose(0, 1)[None] for t in (q[s:e], ki, vi))  # [1, H, T, D]
-            out = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask,
-                                                 is_causal=mask is None, enable_gqa=True)
+            out = sdpa(qi, ki, vi, mask)  # never the math kernel on CUDA (model.sdpa)
             outs.append(out[0].transpose(0, 1))
         return torch.cat(outs)
 

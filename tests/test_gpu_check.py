@@ -11,8 +11,9 @@ sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import gpu_check  # noqa: E402
 
 ROWS = ["logits_fp32", "logits_bf16", "logprobs_fp32", "logprobs_bf16", "backward_no_sync", "generate_fp32",
-        "graphs_vs_eager", "decode_1", "decode_2", "rl_step", "sft_step"]
-NEEDS_GPU = {"backward_no_sync", "graphs_vs_eager"}
+        "graphs_vs_eager", "graph_pool", "fsdp_graph", "prefill_no_math", "memory_plan", "decode_1", "decode_2",
+        "rl_step", "sft_step"]
+NEEDS_GPU = {"backward_no_sync", "graphs_vs_eager", "graph_pool", "fsdp_graph", "prefill_no_math"}
 
 
 def test_cpu_mode_end_to_end(tmp_path):

@@ -238,3 +238,30 @@ def test_the_attention_path_is_said_and_flash_without_flash_attn_is_an_error(mon
     assert model.attention_path("auto", "cuda", torch.bfloat16).startswith("attention: flash-attn")
     assert "CPU" in model.attention_path("auto", "cpu", torch.float32).upper()
     assert "attn_backend=sdpa" in model.attention_path("sdpa", "cuda", torch.bfloat16)
+
+
+def test_strict_sdpa_never_gives_a_mask_with_unequal_heads(tiny_ckpt, monkeypatch):
+    """On CUDA (strict), a masked SDPA call gets K/V expanded to the query heads: no fused kernel
+    takes a mask with GQA, and the math kernel would materialise fp32 [H, q, k] scores. Checked
+    on CPU by forcing strict: a cached-prefix prefill through the Engine (its masked call), same
+    tokens as the plain path."""
+    import functools
+
+    import rollout
+    from model import sdpa
+    calls, real = [], torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, **kw):
+        prefill = attn_mask is not None and q.shape[-2] > 1 and q.shape[-2] < k.shape[-2]
+        calls.append((q.shape[-3], k.shape[-3], prefill))
+        return real(q, k, v, attn_mask=attn_mask, **kw)
+    model = Transformer.from_pretrained(tiny_ckpt)
+    prefix = list(range(5, 45))   # two blocks of 16 and more, shared by both prompts
+    prompts = [prefix + [50, 51], prefix + [60, 61, 62]]
+    run = functools.partial(rollout.generate, model, prompts, 4, max_prefill_tokens=43)
+    plain = run()
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    monkeypatch.setattr(rollout, "sdpa", functools.partial(sdpa, strict=True))
+    assert run() == plain
+    masked = [(hq, hk) for hq, hk, cached_prefix in calls if cached_prefix]
+    assert masked and all(hq == hk for hq, hk in masked)

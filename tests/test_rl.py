@@ -648,8 +648,9 @@ def test_full_weights_leaves_the_root_gathered_after_forward(fsdp_model):
     assert not isinstance(model.model.embed_tokens.weight, DTensor)          # the root did not
 
 
-def test_gradients_are_reduced_once_per_optimizer_step(fsdp_model, tiny_ckpt, monkeypatch):
-    """Three micro-batches, one reduce-scatter per FSDP unit (after the last one), as sft.py does."""
+def test_gradients_are_reduced_every_micro_batch(fsdp_model, tiny_ckpt, monkeypatch):
+    """Three micro-batches, one reduce-scatter per FSDP unit after each (as verl): no unsharded fp32
+    gradient is held between them (memory.py's probe runs this same update: tests/test_plan.py)."""
     from torch.distributed.fsdp._fully_shard import _fsdp_param_group
     real, calls = _fsdp_param_group.foreach_reduce, []
     monkeypatch.setattr(_fsdp_param_group, "foreach_reduce", lambda *a, **k: calls.append(1) or real(*a, **k))
@@ -659,7 +660,7 @@ def test_gradients_are_reduced_once_per_optimizer_step(fsdp_model, tiny_ckpt, mo
     cfg = Config(model="x", micro_batch_tokens=11)  # one 11-token sample per micro-batch
     rl.update(fsdp_model, opt, samples, n_tok, 3, cfg, torch.device("cpu"), 1)
     units = 1 + len(fsdp_model.model.layers)
-    assert len(calls) == units and all(p.grad is not None for p in fsdp_model.parameters())
+    assert len(calls) == 3 * units and all(p.grad is not None for p in fsdp_model.parameters())
 
 
 def test_entropy_is_computed_with_gradients_only_for_its_bonus(tiny_ckpt, monkeypatch):

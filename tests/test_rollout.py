@@ -288,7 +288,7 @@ def test_cuda_graph_capture_once_per_bucket_then_replay(sharp, monkeypatch):
     want = generate(model, prompts, budgets)
     captured, replays = [], []
 
-    def fake_cuda_graph(fn, pool):
+    def fake_cuda_graph(fn, pool, stream):
         fn()  # warm-up
         out = fn()
         captured.append(out.shape[0])
@@ -304,6 +304,53 @@ def test_cuda_graph_capture_once_per_bucket_then_replay(sharp, monkeypatch):
     assert generate(model, prompts, budgets, engine=engine) == want
     assert sorted(captured) == sorted(set(replays)) and set(captured) <= {1, 2, 4, 8} and len(replays) > len(captured)
     assert engine.cache.static[1].shape[1] == engine.cache.max_blocks == -(-max(len(p) + b for p, b in zip(prompts, budgets)) // 8)
+
+
+def test_graphs_dropped_take_a_fresh_pool(sharp, monkeypatch):
+    """When the graphs are dropped (the weights moved, or the tables widened), the next capture goes
+    into a fresh memory pool, never into the dropped graphs' one; unmoved weights keep graphs and
+    pool."""
+    import itertools
+    model, _ = sharp
+    pools = itertools.count()
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: next(pools))
+    engine = flash_engine(model, monkeypatch, block_size=8, num_blocks=20)
+    cache = engine.cache
+    cache.use_graphs = True
+    cache.reset_graphs()
+    first = cache.graph_pool
+    cache.graphs[1], cache.weights_at = "captured", ["elsewhere"]
+    engine.new_rollout()              # the weights moved: graphs and pool anew
+    assert cache.graphs == {} and cache.graph_pool != first
+    second, cache.graphs[1] = cache.graph_pool, "captured"
+    engine.new_rollout()              # the same weights: kept
+    assert cache.graphs == {1: "captured"} and cache.graph_pool == second
+    cache.reset_graphs()              # what widening the tables does too
+    assert cache.graphs == {} and cache.graph_pool not in (first, second)
+
+
+def test_bucketed_tables_uploaded_only_when_they_change(sharp, monkeypatch):
+    """A decode step re-uploads the block tables only when a row gained a block or the rows
+    changed (not rows x width ints every step); the tokens are the plain engine's, preemption and
+    shared prefixes included."""
+    model, _ = sharp
+    prompts = ragged_prompts(model.config.vocab_size)
+    prompts += [prompts[2]] * 2
+    want = generate(model, prompts, 12)
+    engine = flash_engine(model, monkeypatch, block_size=8, num_blocks=20)
+    cache, steps, rebuilt = engine.cache, [], []
+    real = type(cache).begin_bucketed
+
+    def spy(self, batch):
+        before = self.tables_key
+        out = real(self, batch)
+        steps.append(1)
+        rebuilt.append(self.tables_key is not before)
+        return out
+    monkeypatch.setattr(type(cache), "begin_bucketed", spy)
+    assert generate(model, prompts, 12, engine=engine) == want
+    assert engine.stats["preemptions"] > 0 and engine.stats["shared_tokens"] > 0
+    assert 0 < sum(rebuilt) < len(steps)   # blocks of 8: a row gains one every 8 steps
 
 
 def test_reused_flash_engine_takes_longer_sequences(sharp, monkeypatch):

@@ -1,0 +1,106 @@
+"""memory.py: what one RL step holds on a GPU, phase by phase, and the KV pool that fits beside it.
+
+One accounting for two users: rl.make_engine measures it on CUDA at start-up and sizes its KV pool
+from it; scripts/plan.py runs the same phases on fake tensors for N simulated ranks (no GPU) and
+prints them. Both run `run_phases`, which calls rl.py's own functions (passed in: this file
+imports no stage) on dummy tokens, so the plan cannot drift from the code it plans:
+
+- generate: every weight gathered (rl.full_weights); the KV pool fills what is left beside it.
+- old_logprob: one no-grad pass of logprob_micro_batch_tokens (rl.score_tokens).
+- update: rl.update on two micro-batches of micro_batch_tokens, with its micro-batch and gradient
+  sync pattern (a gradient held between micro-batches shows in the second).
+- optimizer: AdamW's step, its two fp32 moments allocated by the first one.
+
+The KV pool is resident through every phase (one Engine per process), so its budget is the device's
+usable memory less the largest phase's peak.
+"""
+
+import torch
+
+PHASES = ("generate", "old_logprob", "update", "optimizer")
+
+
+def dummy_sample(tokens, device):
+    """A sample of `tokens` + 1 ids, every token in the loss (the backward of a real one)."""
+    return dict(ids=[0] * (tokens + 1), prompt_len=1, mask=[1] * tokens,
+                sampler_logprobs=[0.0] * tokens, adv=0.0,
+                old_logprobs=torch.zeros(tokens, device=device))
+
+
+def run_phases(model, opt, cfg, device, world, mark, rl):
+    """The phases of one RL step (PHASES) on dummy tokens, mark(name) before each and mark(None)
+    after the last. rl: what holds rl.py's full_weights, score_tokens and update (the rl module).
+    opt must be an AdamW that may step (rl.py passes a throwaway with lr 0: the weights do not
+    move). A collective on every rank, as the step is."""
+    mark("generate")
+    with rl.full_weights(model):
+        pass
+    mark("old_logprob")
+    long = dummy_sample(cfg.logprob_micro_batch_tokens, device)
+    rl.score_tokens(model, [long], "old_logprobs", cfg, device, entropy=True)
+    del long
+    mark("update")
+    # each alone in its micro-batch: two of them, as a mini-batch of many runs
+    samples = [dummy_sample(cfg.micro_batch_tokens, device) for _ in range(2)]
+    rl.update(model, opt, samples, 2 * cfg.micro_batch_tokens, 2, cfg, device, world)
+    del samples
+    mark("optimizer")
+    opt.step()
+    mark(None)
+    opt.zero_grad(set_to_none=True)
+
+
+def probe_optimizer(model, cfg):
+    """An AdamW like the run's with lr 0 (and so no decay): its step allocates and touches what the
+    run's does, and moves no weight; its moments are freed with it."""
+    return torch.optim.AdamW(model.parameters(), lr=0.0, betas=(cfg.beta1, cfg.beta2),
+                             weight_decay=cfg.weight_decay)
+
+
+def cuda_peaks(model, cfg, device, world, rl):
+    """{phase: peak CUDA bytes allocated} of run_phases, measured (every rank runs it)."""
+    peaks, current = {}, [None]
+
+    def mark(name):
+        if current[0]:
+            peaks[current[0]] = torch.cuda.max_memory_allocated(device)
+        current[0] = name
+        torch.cuda.reset_peak_memory_stats(device)
+
+    opt = probe_optimizer(model, cfg)
+    run_phases(model, opt, cfg, device, world, mark, rl)
+    del opt
+    torch.cuda.empty_cache()
+    return peaks
+
+
+def kv_token_bytes(config, dtype):
+    """Bytes of K and V one token takes over every layer."""
+    per = torch.empty(0, dtype=dtype).element_size()
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * per
+
+
+def kv_pool_tokens(config, budget, dtype, flash):
+    """Tokens a KV pool of `budget` bytes holds, as rollout.Engine sizes it: without flash-attn
+    half the budget goes to the row buffers (fastkv.RowKVCache)."""
+    block = 256 if flash else 16
+    per_block = kv_token_bytes(config, dtype) * block
+    return max(1, budget // per_block // (1 if flash else 2)) * block
+
+
+def run_sft_phases(model, opt, cfg, device, world, mark, sft):
+    """sft.py's step on dummy tokens (sft: the sft module): sft.forward_backward over two packed
+    micro-batches of micro_batch_tokens (its micro-batch and gradient sync pattern), then AdamW's
+    step."""
+    from types import SimpleNamespace
+
+    n = cfg.micro_batch_tokens
+    seq = (torch.zeros(n, dtype=torch.int32), torch.ones(n, dtype=torch.bool))
+    run = SimpleNamespace(train_seqs=[seq, seq], model=model, device=device, world=world, rank=0)
+    model.train()
+    mark("update")
+    sft.forward_backward(run, [0, 1], [[[0], [1]]] * world)
+    mark("optimizer")
+    opt.step()
+    mark(None)
+    opt.zero_grad(set_to_none=True)
