@@ -9,6 +9,7 @@ import inspect
 import io
 import json
 import os
+import sys
 import tokenize
 import warnings
 from dataclasses import fields
@@ -152,6 +153,46 @@ def print0(*args):
         print(*args, flush=True)
 
 
+@contextlib.contextmanager
+def quiet_interrupt(say):
+    """Ctrl-C: one line on rank 0, say() (where the work is kept and how to go on), and exit
+    status 130, instead of a traceback from wherever the run was (the sandbox pool closes at
+    exit, cancelling its queued runs)."""
+    try:
+        yield
+    except BaseException as e:
+        if not by_interrupt(e):
+            raise
+        if os.environ.get("RANK", "0") == "0":
+            print(say(), file=sys.stderr, flush=True)
+        raise SystemExit(130) from None
+
+
+def by_interrupt(error):
+    """Whether error is or wraps a KeyboardInterrupt (dcp.save wraps what stopped its writer in a
+    CheckpointException: failures {rank: (exception, its traceback)})."""
+    todo, seen = [error], set()
+    while todo:
+        e = todo.pop()
+        if isinstance(e, KeyboardInterrupt):
+            return True
+        seen.add(id(e))
+        inner = [w[0] if isinstance(w, tuple) else w for w in getattr(e, "failures", {}).values()]
+        todo += [x for x in (e.__cause__, e.__context__, *inner)
+                 if isinstance(x, BaseException) and id(x) not in seen]
+    return False
+
+
+def resume_line(stage, out_dir, command="the same command"):
+    """What quiet_interrupt says for a trainer: its newest resumable checkpoint, if any."""
+    from checkpoint import checkpoints
+    found = checkpoints(out_dir, resumable=True)
+    if not found:
+        return f"{stage}: interrupted before its first checkpoint; {command} starts it again"
+    return (f"{stage}: interrupted; the newest checkpoint is {found[-1][1]} (step "
+            f"{found[-1][0]}); {command} resumes from it")
+
+
 def resolve_model(path):
     """A local directory as is; a hub id is downloaded by rank 0 first, then read from the cache."""
     if os.path.isdir(path):
@@ -211,11 +252,11 @@ def build_model(path, device, sharded):
 def start_sandbox(workers, require, rank):
     """Every rank starts its sandbox pool (workers 0: its share of the cores) and waits for it
     before any rollout: a sandbox that cannot start stops the run with its own error, instead of
-    a dead tool for the whole run."""
+    a dead tool for the whole run. The pool prints its line of layers itself, as it starts."""
     import sandbox
     sandbox.configure(workers or None, require)
     try:
-        print0(sandbox.check())
+        sandbox.check()
     except RuntimeError as e:
         raise SystemExit(f"rank {rank}: {e}") from None
 

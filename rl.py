@@ -42,12 +42,14 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
+import checks
 import evaluate
 import rollout
 import sandbox
 from checkpoint import check_resume, latest_resumable, load_checkpoint, save_checkpoint
 from common import (all_gather_list, all_reduce, barrier, build_model, clip_grads, compute_dtype,
-                    distributed, is_fsdp, parse_config, print0, resolve_model, start_sandbox)
+                    distributed, is_fsdp, parse_config, print0, quiet_interrupt, resolve_model,
+                    resume_line, start_sandbox)
 from data import toy
 from model import DTYPES, attention_path
 from runlog import Metrics, learning_curve, write_trajectories
@@ -135,6 +137,32 @@ RESUME_FIELDS = ("data", "seed", "epochs", "steps", "prompts_per_step", "samples
 
 def parse_args(argv):
     return parse_config(Config, argv, __doc__, presets={"toy": TOY})
+
+
+def check(cfg):  # every flag before anything is loaded or written: one line on a bad value
+    checks.ranges(cfg, {
+        ">= 0": "seed steps weight_decay grad_clip clip_high entropy_coef kl_coef tis_cap adv_eps "
+                "tool_bonus_per_turn overlong_buffer overlong_factor eval_every eval_temperature "
+                "eval_limit save_every log_samples save_trajectories",
+        ">= 1": "epochs prompts_per_step mini_batch_prompts ppo_epochs micro_batch_tokens "
+                "logprob_micro_batch_tokens score_workers eval_n keep_checkpoints",
+        ">= 2": "samples_per_prompt", "> 1": "clip_c",  # GRPO compares the samples of a group
+        "> 0": "lr temperature code_test_timeout",      # the trainer's log-probs divide by T
+        "[0, 1)": "clip_low beta1 beta2", "[-1, 1)": "tool_bonus_cap",
+        "(0, 1]": "eval_top_p kv_memory_utilization"})
+    checks.rollout(cfg)
+    checks.choices(cfg, loss_agg=("token-mean", "seq-mean-token-mean"),
+                   attn_backend=("auto", "sdpa", "flash"), save_dtype=("auto", *DTYPES))
+    checks.rule(cfg.prompts_per_step % cfg.mini_batch_prompts == 0, "prompts_per_step",
+                cfg.prompts_per_step, "allowed: a multiple of --mini_batch_prompts")
+    checks.rule(cfg.mini_batch_prompts % checks.world() == 0, "mini_batch_prompts",
+                cfg.mini_batch_prompts, f"allowed: a multiple of the {checks.world()} processes")
+    checks.rule(cfg.overlong_buffer <= cfg.max_response_tokens, "overlong_buffer",
+                cfg.overlong_buffer, "allowed: at most --max_response_tokens")
+    checks.output_dir(cfg, "out_dir")
+    toy_files = (toy.TRAIN, toy.HELDOUT) if cfg.model == "toy" else ()  # toy.ensure writes them
+    checks.input_file(cfg, "data", skip=toy_files, hint=" (the toy task: --preset toy)")
+    checks.input_file(cfg, "eval_data", optional=True, skip=toy_files)
 
 
 # ---------------------------------------------------------------- advantages, rewards, the loss
@@ -309,16 +337,8 @@ class Run:
 
 def train(cfg):
     """Run GRPO-TCR as configured; returns the summary dict (also out_dir/summary.json)."""
-    if cfg.prompts_per_step % cfg.mini_batch_prompts:
-        raise SystemExit("prompts_per_step must be a multiple of mini_batch_prompts")
-    if cfg.loss_agg not in ("token-mean", "seq-mean-token-mean"):
-        raise SystemExit(f"--loss_agg {cfg.loss_agg!r}: expected token-mean or "
-                         f"seq-mean-token-mean")
+    check(cfg)
     with distributed() as (rank, world, device, sharded):
-        if cfg.mini_batch_prompts % world:
-            raise SystemExit(f"mini_batch_prompts ({cfg.mini_batch_prompts}) must be a multiple "
-                             f"of the number of processes ({world}), so every rank holds part "
-                             f"of every mini-batch")
         if cfg.model == "toy":  # the toy preset: its problem files, and the SFT start
             if rank == 0:
                 toy.ensure()
@@ -511,7 +531,7 @@ def save_phase(run, step):
     save_dtype = DTYPES[run.model.config.dtype if cfg.save_dtype == "auto" else cfg.save_dtype]
     save_checkpoint(cfg.out_dir, step, run.model, run.opt, run.tokenizer,
                     dict(config=asdict(cfg), evals=run.evals), run.path, dtype=save_dtype,
-                    keep=cfg.keep_checkpoints)
+                    keep=cfg.keep_checkpoints, last=step == run.steps)
     run.metrics.log(event="save", step=step, seconds=round(time.time() - t0, 3))
 
 
@@ -871,7 +891,9 @@ def print_step(rec, samples, cfg):
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
-    train(parse_args(argv or ["--preset=toy"]))  # no arguments: the toy preset
+    cfg = parse_args(argv or ["--preset=toy"])  # no arguments: the toy preset
+    with quiet_interrupt(lambda: resume_line("rl.py", cfg.out_dir)):
+        train(cfg)
 
 
 if __name__ == "__main__":
