@@ -3,6 +3,7 @@
 with one line naming the flag, the value and what is allowed, instead of a traceback minutes
 later (a ZeroDivisionError after the held-out evaluation, an empty result that exits 0)."""
 
+import dataclasses
 import math
 import os
 
@@ -35,8 +36,11 @@ def ranges(cfg, table):
     """table: {rule: 'field field ...'}; each field a finite number its rule allows."""
     for allowed, names in table.items():
         for name in names.split():
-            if not _allows(getattr(cfg, name), allowed):
-                refuse(name, getattr(cfg, name), f"allowed: a number {allowed}")
+            value = getattr(cfg, name)
+            if not _allows(value, allowed):
+                kind = "an integer" if isinstance(value, int) else "a number"
+                where = "in " if allowed[0] in "[(" else ""   # an interval
+                refuse(name, value, f"allowed: {kind} {where}{allowed}")
 
 
 def choices(cfg, **allowed):
@@ -60,12 +64,14 @@ def world():
 
 def input_file(cfg, name, optional=False, skip=(), hint=""):
     """The named field is a file that exists ('' allowed when optional; paths in skip allowed:
-    files the stage writes itself, as the toy task's)."""
+    files the stage writes itself, as the toy task's). hint is said when the path is the flag's
+    default: the user gave no such flag and may not know the default."""
     path = getattr(cfg, name)
     if (optional and path == "") or path in skip:
         return
+    default = {f.name: f.default for f in dataclasses.fields(cfg)}.get(name)
     if not (isinstance(path, str) and os.path.isfile(path)):
-        refuse(name, path, "no such file" + hint)
+        refuse(name, path, "no such file" + (hint if path == default else ""))
 
 
 def output_dir(cfg, name):

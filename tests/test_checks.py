@@ -90,8 +90,10 @@ def test_rl_refuses_each_bad_value_before_any_work(empty_cwd, problems, monkeypa
     base = ["--model=unused", f"--data={problems}", "--out_dir=run"]
     cases = [([f"--{k}={v}"], k) for k, v in RL_BAD.items()] + RL_MORE
     said = [refused(rl.main, base + flags, flag, empty_cwd) for flags, flag in cases]
-    assert said[len(RL_BAD)] == "--prompts_per_step=0: allowed: a number >= 1"
-    assert said[-2] == "--data='missing.jsonl': no such file (the toy task: --preset toy)"
+    assert said[len(RL_BAD)] == "--prompts_per_step=0: allowed: an integer >= 1"
+    assert said[-2] == "--data='missing.jsonl': no such file"
+    assert refused(rl.main, ["--steps=5"], "data", empty_cwd) == \
+        "--data='data/rl.jsonl': no such file (data/prepare.py rl; or --preset toy)"
 
 
 def test_sft_refuses_each_bad_value_before_any_work(empty_cwd, problems, monkeypatch):
@@ -109,7 +111,8 @@ def test_evaluate_refuses_each_bad_value_before_any_work(empty_cwd, problems, mo
     base = ["--model=unused", f"--data={problems}"]
     cases = [([f"--{k}={v}"], k) for k, v in EVAL_BAD.items()] + EVAL_MORE
     said = [refused(evaluate.main, base + flags, flag, empty_cwd) for flags, flag in cases]
-    assert said[0] == "--n=0: allowed: a number >= 1"
+    assert said[0] == "--n=0: allowed: an integer >= 1"
+    assert said[2] == "--top_p=0.0: allowed: a number in (0, 1]"
 
 
 def test_chat_refuses_bad_values(empty_cwd):
