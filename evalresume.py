@@ -67,8 +67,7 @@ def reuse_or_start_fresh(out_dir, current):
               f"sampling settings, problem files and grader", flush=True)
         return
     if old:
-        why = ("no record of what made them" if saved is None else
-               ", ".join(k for k in current if saved.get(k) != current[k]) + " differ")
+        why = "no record of what made them" if saved is None else differences(saved, current)
         for f in old:
             os.replace(f, f + ".replaced")
         print(f"evaluate.py: {out_dir} holds samples of another evaluation ({why}); starting "
@@ -76,3 +75,17 @@ def reuse_or_start_fresh(out_dir, current):
     os.makedirs(out_dir, exist_ok=True)
     with open(path, "w") as f:
         json.dump(current, f, indent=1)
+
+
+def differences(saved, current):
+    """'model weights differ; sampling settings differ: top_p 0.6 -> 0.9'."""
+    said = []
+    for part, now in current.items():
+        before = saved.get(part)
+        if isinstance(now, dict) and isinstance(before, dict):
+            changed = [f"{k} {before.get(k)!r} -> {v!r}" for k, v in now.items()
+                       if before.get(k) != v]
+            said += [f"{part} differ: " + ", ".join(changed)] if changed else []
+        elif before != now:
+            said.append(f"{part} differ")
+    return "; ".join(said)

@@ -587,7 +587,8 @@ def toy_arguments():
 def main(argv=None):
     import torch
     import evalresume
-    from common import barrier, distributed, print0, quiet_interrupt, start_sandbox
+    from common import barrier, distributed, print0, start_sandbox
+    from interrupt import quiet_interrupt
     from runlog import Metrics
     from model import Transformer, attention_path
     from transformers import AutoTokenizer

@@ -48,8 +48,8 @@ import rollout
 import sandbox
 from checkpoint import check_resume, latest_resumable, load_checkpoint, save_checkpoint
 from common import (all_gather_list, all_reduce, barrier, build_model, clip_grads, compute_dtype,
-                    distributed, is_fsdp, parse_config, print0, quiet_interrupt, resolve_model,
-                    resume_line, start_sandbox)
+                    distributed, is_fsdp, parse_config, print0, resolve_model, start_sandbox)
+from interrupt import quiet_interrupt, resume_line
 from data import toy
 from model import DTYPES, attention_path
 from runlog import Metrics, learning_curve, write_trajectories

@@ -36,7 +36,8 @@ from checkpoint import (check_resume, checkpoints, latest_resumable, load_checkp
                         save_checkpoint)
 import checks
 from common import (all_reduce, barrier, build_model, clip_grads, compute_dtype, distributed,
-                    is_fsdp, parse_config, print0, quiet_interrupt, resolve_model, resume_line)
+                    is_fsdp, parse_config, print0, resolve_model)
+from interrupt import quiet_interrupt, resume_line
 from model import DTYPES, attention_path, cu_seqlens_from_lengths
 from runlog import Metrics
 

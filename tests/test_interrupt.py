@@ -75,4 +75,4 @@ def test_evaluate_reuses_only_the_same_evaluation(tiny_ckpt, tmp_path, capsys):
     summary = json.load(open(os.path.join(out, "summary.json")))
     assert summary["model"] == other
     tiny_evaluation(other, out, "--top_p=0.9")
-    assert "(sampling settings differ)" in capsys.readouterr().out
+    assert "(sampling settings differ: top_p 0.6 -> 0.9)" in capsys.readouterr().out
