@@ -36,11 +36,12 @@ def by_interrupt(error):
     return False
 
 
-def resume_line(stage, out_dir, command="the same command"):
-    """What quiet_interrupt says for a trainer: its newest resumable checkpoint, if any."""
+def resume_line(stage, out_dir, resume="the same command"):
+    """What quiet_interrupt says for a trainer: its newest resumable checkpoint and the command
+    that resumes from it; without one, that the same command starts again."""
     from checkpoint import checkpoints
     found = checkpoints(out_dir, resumable=True)
     if not found:
-        return f"{stage}: interrupted before its first checkpoint; {command} starts it again"
+        return f"{stage}: interrupted before its first checkpoint; the same command starts again"
     return (f"{stage}: interrupted; the newest checkpoint is {found[-1][1]} (step "
-            f"{found[-1][0]}); {command} resumes from it")
+            f"{found[-1][0]}); {resume} resumes from it")
