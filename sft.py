@@ -148,6 +148,17 @@ def check_record(record, where):
     return messages, tools
 
 
+def check_data(path):
+    """Every record's JSON and fields, before anything is written (load_data renders them later,
+    with the tokenizer the toy preset must first build)."""
+    for lineno, line in enumerate(open(path, encoding="utf-8"), 1):
+        try:
+            if line.strip():
+                check_record(json.loads(line), f"{path}:{lineno}")
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{lineno}: not valid JSON ({e})") from None
+
+
 def mark_content(chat, messages, tools, where):
     """The messages with every added-token string in their text marked as text
     (rollout.ChatFormat.mark), so it never becomes an added token, as the rollout treats tool
@@ -353,6 +364,8 @@ def train(cfg):
     """Run SFT as configured; returns the final Hugging Face checkpoint directory. Works in one
     process, under torchrun, or inside a process that already set up torch.distributed."""
     check(cfg)
+    if cfg.data != "toy":
+        check_data(cfg.data)
     with distributed(cfg.device) as (rank, world, device, sharded):
         return _train(cfg, rank, world, device, sharded)
 

@@ -105,6 +105,16 @@ def test_sft_refuses_each_bad_value_before_any_work(empty_cwd, problems, monkeyp
         "--micro_batch_tokens=100: allowed: at least --max_len"
 
 
+def test_sft_checks_its_data_before_writing(empty_cwd, tmp_path):
+    """--model toy builds a base model into out_dir: not before the data file has been read through."""
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
+                                            {"role": "assistant", "content": "hello"}]}) + "\n{not json\n")
+    with pytest.raises(SystemExit, match=r"^bad SFT data: .*bad\.jsonl:2: not valid JSON"):
+        sft.main(["--model=toy", f"--data={bad}"])
+    assert os.listdir(empty_cwd) == []
+
+
 def test_evaluate_refuses_each_bad_value_before_any_work(empty_cwd, problems, monkeypatch):
     import common
     monkeypatch.setattr(common, "distributed", None)
