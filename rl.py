@@ -49,8 +49,8 @@ import sandbox
 from checkpoint import check_resume, latest_resumable, load_checkpoint, save_checkpoint
 from common import (all_gather_list, all_reduce, barrier, build_model, clip_grads, compute_dtype,
                     distributed, is_fsdp, parse_config, print0, resolve_model, start_sandbox)
-from interrupt import quiet_interrupt, resume_line
 from data import toy
+from interrupt import quiet_interrupt, resume_line
 from model import DTYPES, attention_path
 from runlog import Metrics, learning_curve, write_trajectories
 
