@@ -119,12 +119,13 @@ def latest_resumable(out_dir):
 
 
 def save_checkpoint(out_dir, step, model, optimizer, tokenizer, trainer, base_path=None,
-                    dtype=None, keep=1):
+                    dtype=None, keep=1, last=True):
     """out_dir/step_NNNNNN: a Hugging Face directory (full weights gathered on rank 0's CPU) plus
     train_state/ (fp32 weights and optimizer sharded by torch.distributed.checkpoint, each rank's
     RNG, the trainer dict). Written into .tmp_step_NNNNNN and renamed once complete, so a kill
-    leaves the previous checkpoint; out_dir/final then points at it. Only the newest `keep`
-    checkpoints keep their train_state. A collective: every rank calls it."""
+    leaves the previous checkpoint; out_dir/final then points at it when it is the run's `last`
+    (an interrupted run leaves no final). Only the newest `keep` checkpoints keep their
+    train_state. A collective: every rank calls it."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                          get_state_dict)
@@ -169,11 +170,12 @@ def save_checkpoint(out_dir, step, model, optimizer, tokenizer, trainer, base_pa
         shutil.rmtree(final + ".old", ignore_errors=True)
         for _, old in checkpoints(out_dir, resumable=True)[:-max(1, keep)]:
             shutil.rmtree(os.path.join(old, "train_state"), ignore_errors=True)
-        link = os.path.join(out_dir, ".final.tmp")
-        if os.path.lexists(link):
-            os.remove(link)
-        os.symlink(name, link)
-        os.replace(link, os.path.join(out_dir, "final"))
+        if last:  # final points only at a finished run's checkpoint
+            link = os.path.join(out_dir, ".final.tmp")
+            if os.path.lexists(link):
+                os.remove(link)
+            os.symlink(name, link)
+            os.replace(link, os.path.join(out_dir, "final"))
     # nobody reads or resumes before rank 0 has finished writing
     if problem := broadcast_object(problem):
         raise SystemExit(f"the checkpoint of step {step} was not written whole: {problem}")

@@ -236,11 +236,11 @@ def build_model(path, device, sharded):
 def start_sandbox(workers, require, rank):
     """Every rank starts its sandbox pool (workers 0: its share of the cores) and waits for it
     before any rollout: a sandbox that cannot start stops the run with its own error, instead of
-    a dead tool for the whole run."""
+    a dead tool for the whole run. The pool prints its line of layers itself, as it starts."""
     import sandbox
     sandbox.configure(workers or None, require)
     try:
-        print0(sandbox.check())
+        sandbox.check()
     except RuntimeError as e:
         raise SystemExit(f"rank {rank}: {e}") from None
 

@@ -551,6 +551,24 @@ def parse_config(argv):
     return parse(EvalConfig, argv, __doc__)
 
 
+def check(cfg):  # every flag before anything is loaded or written: one line on a bad value
+    import checks
+    checks.rule(cfg.model != "", "model", cfg.model, "required: a checkpoint directory")
+    checks.ranges(cfg, {">= 0": "limit seed", ">= 1": "n problems_per_batch",
+                        "> 0": "code_test_timeout"})
+    checks.rollout(cfg)
+    checks.choices(cfg, dtype=("", "float32", "bfloat16", "float16"),
+                   attn_backend=("auto", "sdpa", "flash"))
+    ks = cfg.pass_k.replace(",", " ").split()
+    checks.rule(all(k.isdigit() and 0 < int(k) <= cfg.n for k in ks), "pass_k", cfg.pass_k,
+                f"allowed: comma-separated k, each 1 to --n ({cfg.n})")
+    checks.rule(cfg.data or cfg.benchmarks.strip(", "), "benchmarks", cfg.benchmarks,
+                "allowed: names of <data_dir>/<name>.jsonl files, or --data FILE")
+    checks.rule(not cfg.filter_out or cfg.n >= 2, "n", cfg.n,
+                "allowed with --filter_out: at least 2 (it keeps problems solved only sometimes)")
+    checks.input_file(cfg, "data", optional=True)
+
+
 def toy_arguments():
     """`python evaluate.py` alone: the toy held-out set with the toy preset's settings
     (data/toy.py), on the newest toy policy: the RL run's last checkpoint, else the SFT start it
@@ -567,21 +585,27 @@ def toy_arguments():
 
 def main(argv=None):
     import torch
-    from common import distributed, print0, resolve_model, start_sandbox
+    import evalresume
+    from common import barrier, distributed, print0, resolve_model, start_sandbox
+    from interrupt import quiet_interrupt
     from runlog import Metrics
     from model import Transformer, attention_path
     from transformers import AutoTokenizer
     argv = sys.argv[1:] if argv is None else argv
     cfg = parse_config(argv or toy_arguments())
-    if not cfg.model:
-        raise SystemExit("--model DIR is required (a Hugging Face checkpoint directory)")
-    with distributed() as (rank, world, device, _):
+    check(cfg)
+    model_name = os.path.basename(os.path.normpath(cfg.model))
+    out_dir = cfg.out or os.path.join("runs", "eval", model_name)
+    say = (f"evaluate.py: interrupted; the finished problems are kept in {out_dir}, and the same "
+           f"command goes on from there")
+    with quiet_interrupt(lambda: say), distributed() as (rank, world, device, _):
         problems = load_problems(cfg)
         start_sandbox(cfg.sandbox_workers, cfg.sandbox_require, rank)
         from multinode import same_model
         cfg.model = same_model(resolve_model(cfg.model))  # every rank the same weights, or stop
-        model_name = os.path.basename(os.path.normpath(cfg.model))
-        out_dir = cfg.out or os.path.join("runs", "eval", model_name)
+        if rank == 0:
+            evalresume.reuse_or_start_fresh(out_dir, evalresume.key(cfg, device))
+        barrier()
         if cfg.dtype:
             dtype = getattr(torch, cfg.dtype)
         else:

@@ -42,6 +42,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
+import checks
 import evaluate
 import memory
 import rollout
@@ -51,6 +52,7 @@ from common import (all_gather_list, all_reduce, broadcast_object, build_model, 
                     compute_dtype, distributed, is_fsdp, parse_config, print0, resolve_model,
                     start_sandbox)
 from data import toy
+from interrupt import quiet_interrupt, resume_line
 from model import DTYPES, attention_path
 from multinode import check_shared, world_advice
 from runlog import Metrics, learning_curve, write_trajectories
@@ -139,6 +141,32 @@ RESUME_FIELDS = ("data", "seed", "epochs", "steps", "prompts_per_step", "samples
 
 def parse_args(argv):
     return parse_config(Config, argv, __doc__, presets={"toy": TOY})
+
+
+def check(cfg):  # every flag before anything is loaded or written: one line on a bad value
+    checks.ranges(cfg, {
+        ">= 0": "seed steps weight_decay grad_clip clip_high entropy_coef kl_coef tis_cap adv_eps "
+                "tool_bonus_per_turn overlong_buffer overlong_factor eval_every eval_temperature "
+                "eval_limit save_every log_samples save_trajectories",
+        ">= 1": "epochs prompts_per_step mini_batch_prompts ppo_epochs micro_batch_tokens "
+                "logprob_micro_batch_tokens score_workers eval_n keep_checkpoints",
+        ">= 2": "samples_per_prompt", "> 1": "clip_c",  # GRPO compares the samples of a group
+        "> 0": "lr temperature code_test_timeout dist_timeout",  # log-probs divide by T
+        "[0, 1)": "clip_low beta1 beta2", "[-1, 1)": "tool_bonus_cap",
+        "(0, 1]": "eval_top_p kv_memory_utilization"})
+    checks.rollout(cfg)
+    checks.choices(cfg, loss_agg=("token-mean", "seq-mean-token-mean"),
+                   attn_backend=("auto", "sdpa", "flash"), save_dtype=("auto", *DTYPES))
+    checks.rule(cfg.prompts_per_step % cfg.mini_batch_prompts == 0, "prompts_per_step",
+                cfg.prompts_per_step, "allowed: a multiple of --mini_batch_prompts")
+    if cfg.mini_batch_prompts % checks.world():  # every rank holds part of every mini-batch
+        raise SystemExit(world_advice(cfg.mini_batch_prompts, cfg.prompts_per_step, checks.world()))
+    checks.rule(cfg.overlong_buffer <= cfg.max_response_tokens, "overlong_buffer",
+                cfg.overlong_buffer, "allowed: at most --max_response_tokens")
+    checks.output_dir(cfg, "out_dir")
+    toy_files = (toy.TRAIN, toy.HELDOUT) if cfg.model == "toy" else ()  # toy.ensure writes them
+    checks.input_file(cfg, "data", skip=toy_files, hint=" (data/prepare.py rl; or --preset toy)")
+    checks.input_file(cfg, "eval_data", optional=True, skip=toy_files)
 
 
 # ---------------------------------------------------------------- advantages, rewards, the loss
@@ -313,14 +341,8 @@ class Run:
 
 def train(cfg):
     """Run GRPO-TCR as configured; returns the summary dict (also out_dir/summary.json)."""
-    if cfg.prompts_per_step % cfg.mini_batch_prompts:
-        raise SystemExit("prompts_per_step must be a multiple of mini_batch_prompts")
-    if cfg.loss_agg not in ("token-mean", "seq-mean-token-mean"):
-        raise SystemExit(f"--loss_agg {cfg.loss_agg!r}: expected token-mean or "
-                         f"seq-mean-token-mean")
+    check(cfg)
     with distributed(timeout_minutes=cfg.dist_timeout) as (rank, world, device, sharded):
-        if cfg.mini_batch_prompts % world:
-            raise SystemExit(world_advice(cfg.mini_batch_prompts, cfg.prompts_per_step, world))
         if cfg.model == "toy":  # the toy preset: its problem files, and the SFT start
             if rank == 0:
                 toy.ensure()
@@ -513,7 +535,7 @@ def save_phase(run, step):
     save_dtype = DTYPES[run.model.config.dtype if cfg.save_dtype == "auto" else cfg.save_dtype]
     save_checkpoint(cfg.out_dir, step, run.model, run.opt, run.tokenizer,
                     dict(config=asdict(cfg), evals=run.evals), run.path, dtype=save_dtype,
-                    keep=cfg.keep_checkpoints)
+                    keep=cfg.keep_checkpoints, last=step == run.steps)
     run.metrics.log(event="save", step=step, seconds=round(time.time() - t0, 3))
 
 
@@ -866,7 +888,9 @@ def main(argv=None):
     # before CUDA starts: memory is sized from allocated bytes, and with expandable segments the
     # allocator's reserve stays near them across the step's changing shapes (no fragmentation)
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    train(parse_args(argv or ["--preset=toy"]))  # no arguments: the toy preset
+    cfg = parse_args(argv or ["--preset=toy"])  # no arguments: the toy preset
+    with quiet_interrupt(lambda: resume_line("rl.py", cfg.out_dir)):
+        train(cfg)
 
 
 if __name__ == "__main__":

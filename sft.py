@@ -34,8 +34,10 @@ import torch
 
 from checkpoint import (check_resume, checkpoints, latest_resumable, load_checkpoint,
                         save_checkpoint)
+import checks
 from common import (all_reduce, barrier, build_model, clip_grads, compute_dtype, distributed,
                     is_fsdp, parse_config, print0, resolve_model)
+from interrupt import quiet_interrupt, resume_line
 from model import DTYPES, attention_path, cu_seqlens_from_lengths
 from multinode import check_shared
 from runlog import Metrics
@@ -89,6 +91,21 @@ def parse_args(argv):
     return parse_config(Config, argv, __doc__, presets={"toy": TOY})
 
 
+def check(cfg):  # every flag before anything is loaded or written: one line on a bad value
+    checks.ranges(cfg, {">= 0": "seed weight_decay grad_clip max_steps eval_size eval_every "
+                                "save_every",
+                        ">= 1": "epochs batch_size keep_train_state log_every",
+                        ">= 2": "max_len", "> 0": "lr dist_timeout", "[0, 1)": "warmup_ratio beta1 beta2"})
+    checks.choices(cfg, too_long=("truncate", "drop"), attn_backend=("auto", "sdpa", "flash"),
+                   save_dtype=("auto", *DTYPES), device=("auto", "cuda", "cpu"))
+    checks.rule(cfg.device != "cuda" or torch.cuda.is_available(), "device", cfg.device,
+                "no CUDA device here; allowed: auto | cpu")
+    checks.rule(cfg.micro_batch_tokens >= cfg.max_len, "micro_batch_tokens",
+                cfg.micro_batch_tokens, "allowed: at least --max_len")
+    checks.output_dir(cfg, "out_dir")
+    checks.input_file(cfg, "data", skip=("toy",), hint=" (data/prepare.py sft; or --preset toy)")
+
+
 class DataError(ValueError):
     """A record the trainer cannot use; the message names file, line and field."""
 
@@ -131,6 +148,17 @@ def check_record(record, where):
         raise DataError(f"{where}: messages: no assistant message after a prompt, so nothing "
                         f"to learn")
     return messages, tools
+
+
+def check_data(path):
+    """Every record's JSON and fields, before anything is written (load_data renders them later,
+    with the tokenizer the toy preset must first build)."""
+    for lineno, line in enumerate(open(path, encoding="utf-8"), 1):
+        try:
+            if line.strip():
+                check_record(json.loads(line), f"{path}:{lineno}")
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{lineno}: not valid JSON ({e})") from None
 
 
 def mark_content(chat, messages, tools, where):
@@ -337,11 +365,9 @@ def inputs(cfg, rank):
 def train(cfg):
     """Run SFT as configured; returns the final Hugging Face checkpoint directory. Works in one
     process, under torchrun, or inside a process that already set up torch.distributed."""
-    if cfg.too_long not in ("truncate", "drop"):
-        raise ValueError(f"too_long must be 'truncate' or 'drop', got {cfg.too_long!r}")
-    if cfg.micro_batch_tokens < cfg.max_len:
-        raise ValueError(f"micro_batch_tokens ({cfg.micro_batch_tokens}) must be >= max_len "
-                         f"({cfg.max_len})")
+    check(cfg)
+    if cfg.data != "toy":
+        check_data(cfg.data)
     with distributed(cfg.device, cfg.dist_timeout) as (rank, world, device, sharded):
         return _train(cfg, rank, world, device, sharded)
 
@@ -396,14 +422,14 @@ def setup(cfg, rank, world, device, sharded):
     """Data (rendered, a held-out split chosen by seed, the short last batch dropped), model,
     optimizer and schedule (resumed when asked), the metrics file."""
     from transformers import AutoTokenizer
+    if checkpoints(cfg.out_dir) and not cfg.resume:  # before anything is written there
+        raise SystemExit(f"{cfg.out_dir} already holds checkpoints; pass --resume to continue "
+                         f"that run, or choose another --out_dir")
     if rank == 0:
         os.makedirs(cfg.out_dir, exist_ok=True)
         for name in os.listdir(cfg.out_dir):  # leftovers of a run killed while saving
             if name.startswith(".tmp_step_"):
                 shutil.rmtree(os.path.join(cfg.out_dir, name), ignore_errors=True)
-    if checkpoints(cfg.out_dir) and not cfg.resume:
-        raise SystemExit(f"{cfg.out_dir} already holds checkpoints; pass --resume to continue "
-                         f"that run, or choose another --out_dir")
     base_path, data_path = inputs(cfg, rank)
     check_shared(cfg.out_dir, [data_path, base_path])
     tokenizer = AutoTokenizer.from_pretrained(base_path)
@@ -525,7 +551,8 @@ def save(run):
     save_dtype = DTYPES[run.model.config.dtype if cfg.save_dtype == "auto" else cfg.save_dtype]
     trainer = dict(config=asdict(cfg), scheduler=run.scheduler.state_dict())
     return save_checkpoint(cfg.out_dir, run.step, run.model, run.optimizer, run.tokenizer,
-                           trainer, run.base_path, save_dtype, cfg.keep_train_state)
+                           trainer, run.base_path, save_dtype, cfg.keep_train_state,
+                           last=run.step == run.total_steps)
 
 
 def finish(run, path, run_tokens, run_time):
@@ -540,8 +567,11 @@ def finish(run, path, run_tokens, run_time):
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
+    cfg = parse_args(argv or ["--preset=toy"])  # no arguments: the toy preset
     try:
-        train(parse_args(argv or ["--preset=toy"]))  # no arguments: the toy preset
+        with quiet_interrupt(lambda: resume_line("sft.py", cfg.out_dir,
+                                                 "the same command with --resume")):
+            train(cfg)
     except DataError as e:
         raise SystemExit(f"bad SFT data: {e}")
 

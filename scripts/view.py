@@ -227,6 +227,25 @@ def script_json(obj):
     return json.dumps(obj, ensure_ascii=False).replace("<", "\\u003c")
 
 
+def gaps(rec, top):
+    """(the sampled tokens to outline, largest |trainer - sampler| log-prob gap first, at most top;
+    the token view's key for them). A gap within what rounding makes is never outlined: rl.py stores
+    log-probs to 4 significant digits, and on CPU both sides compute in fp32 (gaps ~1e-6)."""
+    lp, tlp, mask = rec.get("logprobs") or [], rec.get("trainer_logprobs"), rec.get("loss_mask") or []
+    if not (tlp and lp):
+        return [], ""
+    gap = {i: abs(t - s) for i, (t, s, m) in enumerate(zip(tlp, lp, mask)) if m}
+    real = [i for i, g in gap.items() if g > 1e-3 * max(abs(tlp[i]), abs(lp[i])) + 1e-6]
+    ranked = sorted(real, key=lambda i: (-gap[i], i))[:top]
+    largest = max(gap.values(), default=0.0)
+    if ranked:
+        return ranked, f"top {len(ranked)} by |trainer - sampler| log-prob"
+    if largest == 0:
+        return [], "trainer and sampler log-probs equal (as stored)"
+    return [], (f"trainer and sampler agree to rounding (largest |diff| {largest:.2g}, log-probs stored "
+                f"to 4 significant digits): nothing outlined")
+
+
 def trajectory(rec, key, tokenizer, cache, top):
     """A trajectory's <details>: summary line, conversation blocks, the lazy token view and its JSON."""
     mask, calls = rec.get("loss_mask") or [], rec.get("tool_calls") or []
@@ -244,9 +263,11 @@ def trajectory(rec, key, tokenizer, cache, top):
         html.escape(str(c.get("status"))) for c in calls) + ")" if calls else ""))
     bits.append(f'{len(rec.get("response_ids") or [])} tokens, {sum(mask)} sampled')
     lp, tlp = rec.get("logprobs") or [], rec.get("trainer_logprobs")
+    outlined, note = gaps(rec, top)
     if tlp and lp:
         diffs = [abs(t - s) for t, s, m in zip(tlp, lp, mask) if m]
-        bits.append(f"max |trainer-sampler| {max(diffs, default=0):.2g}")
+        bits.append(f"max |trainer-sampler| {max(diffs, default=0):.2g}"
+                    + (" (rounding)" if max(diffs, default=0) and not outlined else ""))
     conv = []
     for kind, text, call in response_blocks(rec.get("text", ""), calls):
         label = {"text": "model", "reply": "tool reply"}.get(kind) or "tool call" + (
@@ -256,9 +277,10 @@ def trajectory(rec, key, tokenizer, cache, top):
     pieces = token_pieces(tokenizer, ids, cache) if tokenizer is not None else None
     return (f'<details class="traj" id="{key}"><summary>{" · ".join(bits)}</summary>'
             f'<div class="conv">{"".join(conv)}</div>'
-            f'<details class="tok" id="{key}k" data-src="{key}j" data-top="{top}"><summary>token view '
+            f'<details class="tok" id="{key}k" data-src="{key}j"><summary>token view '
             f'({len(ids)} tokens; built when opened)</summary><div class="tokens"></div></details>'
-            f'<script type="application/json" id="{key}j">{script_json({"record": rec, "pieces": pieces})}</script>'
+            f'<script type="application/json" id="{key}j">'
+            f'{script_json({"record": rec, "pieces": pieces, "outlined": outlined, "note": note})}</script>'
             "</details>")
 
 
@@ -296,14 +318,23 @@ def step_html(step, records, tokenizer, cache, top):
     return f'<details class="step" id="{key}"{" open" * (step is None)}><summary>{head}</summary>{body}</details>'
 
 
+def percent(column):
+    """Whether evaluate.py's terminal table gives the column in %: avg@n, pass@k, maj@k, verl's, the headline."""
+    return column == "headline" or re.match(r"^(avg|pass|maj|verl_\w+)@\d+(/mean)?$", column) is not None
+
+
 def summary_table(summary):
-    """An evaluation summary's scalar figures, overall and per benchmark."""
+    """An evaluation summary's scalar figures, overall and per benchmark; accuracies in % as the terminal shows them."""
     parts = {"overall": summary.get("overall", {}), **summary.get("benchmarks", {})}
     cols = [k for k, v in parts["overall"].items() if isinstance(v, (int, float))]
-    head = "".join(f"<th>{html.escape(c)}</th>" for c in cols)
-    body = "".join(f"<tr><td>{html.escape(n)}</td>" + "".join(
-        f"<td>{p.get(c, ''):.4g}</td>" if isinstance(p.get(c), (int, float)) else "<td></td>" for c in cols) + "</tr>"
-        for n, p in parts.items())
+    head = "".join(f"<th>{html.escape(c)}{' (%)' * percent(c)}</th>" for c in cols)
+
+    def cell(v, c):
+        if not isinstance(v, (int, float)):
+            return "<td></td>"
+        return f"<td>{100 * v:.1f}</td>" if percent(c) else f"<td>{v:.4g}</td>"
+    body = "".join(f"<tr><td>{html.escape(n)}</td>" + "".join(cell(p.get(c), c) for c in cols) + "</tr>"
+                   for n, p in parts.items())
     return f"<table><tr><th></th>{head}</tr>{body}</table>" if cols else ""
 
 
@@ -327,16 +358,13 @@ function build(d) {
   const el = d.querySelector('.tokens');
   if (el.dataset.done) return;
   el.dataset.done = 1;
-  const {record: r, pieces} = JSON.parse(document.getElementById(d.dataset.src).textContent);
+  const {record: r, pieces, outlined, note} = JSON.parse(document.getElementById(d.dataset.src).textContent);
   const ids = r.response_ids || [], m = r.loss_mask || [], lp = r.logprobs || [], tlp = r.trainer_logprobs;
   const adv = r.advantage, tint = adv > 0 ? 'tp' : adv < 0 ? 'tn' : 't0';
-  let top = new Map();
-  if (tlp) ids.map((_, i) => [m[i] ? Math.abs(tlp[i] - lp[i]) : 0, i]).filter(x => x[0] > 0)
-    .sort((a, b) => b[0] - a[0]).slice(0, +d.dataset.top).forEach((x, k) => top.set(x[1], k + 1));
+  const top = new Map(outlined.map((i, k) => [i, k + 1]));  // view.gaps chose them
   const out = ['<div class="key"><span class="' + tint + '">sampled (mask 1)' +
     (adv === undefined ? '' : ', advantage ' + num(adv)) + '</span><span class="tf">forced tool reply (mask 0)</span>' +
-    (tlp ? '<span class="top">' + (top.size ? 'top ' + top.size + ' by |trainer - sampler| log-prob' :
-     'trainer and sampler log-probs equal (as stored)') + '</span>' : '') +
+    (note ? '<span class="' + (top.size ? 'top' : '') + '">' + esc(note) + '</span>' : '') +
     (pieces ? '' : ' no tokenizer: token ids shown') + '</div>'];
   for (let i = 0; i < ids.length; i++) {
     let t = '#' + i + ' id ' + ids[i] + (m[i] ? ' sampled, sampler logp ' + num(lp[i]) : ' forced (mask 0)');

@@ -194,3 +194,27 @@ def test_page_from_a_short_toy_run(tmp_path, monkeypatch):
     assert text.count('class="ev"') == 2   # held-out accuracy before and after
     text, page = build(run / "eval" / "step_000002")   # the run's held-out evaluation, an evaluate.py directory
     assert len(page.scripts) == 4 and "tokenizer: " in "".join(page.text)
+
+
+def test_token_view_outlines_only_gaps_above_rounding(tmp_path, tiny_tokenizer):
+    """On CPU the trainer and the sampler agree to ~1e-6, below the 4 significant digits rl.py stores: the token
+    view then outlines nothing and says so, instead of ranking rounding noise."""
+    rec = make_record(tiny_tokenizer, "p0", 0, step=1)
+    sampled = [i for i, m in enumerate(rec["loss_mask"]) if m]
+    rec["trainer_logprobs"] = [lp + 1e-6 if m else 0.0 for lp, m in zip(rec["logprobs"], rec["loss_mask"])]
+    run = tmp_path / "rl"
+    os.makedirs(run / "trajectories")
+    write_jsonl(str(run / "trajectories" / "step_000001.jsonl"), [rec])
+    _, page = build(run)
+    (shown,) = page.scripts.values()
+    assert shown["outlined"] == [] and "agree to rounding (largest |diff| 1e-06" in shown["note"]
+    assert "max |trainer-sampler| 1e-06 (rounding)" in "".join(page.text)
+    rec["trainer_logprobs"][sampled[2]] -= 0.25   # one real gap: outlined alone
+    assert view.gaps(rec, 20) == ([sampled[2]], "top 1 by |trainer - sampler| log-prob")
+
+
+def test_evaluation_table_in_percent_as_the_terminal():
+    overall = {"avg@4": 0.5, "pass@4": 0.75, "maj@4": 0.25, "headline": 0.5, "mean_score": 0.625, "problems": 8}
+    table = view.summary_table({"overall": overall, "benchmarks": {"toy": overall}})
+    assert "<th>avg@4 (%)</th>" in table and "<th>mean_score</th>" in table
+    assert "<td>50.0</td><td>75.0</td><td>25.0</td><td>50.0</td><td>0.625</td><td>8</td>" in table

@@ -5,6 +5,8 @@ import glob
 import json
 import os
 import struct
+import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -14,24 +16,32 @@ pytest.importorskip("wandb")
 
 
 def wandb_records(run_dir):
-    """The protobuf records of every offline run file under run_dir, in order: the LevelDB log format wandb
-    writes (a 7-byte ':W&B' header, then 32 KiB blocks of records with a 7-byte header each)."""
+    """The protobuf records of every offline run file under run_dir, the runs in the order they started: the
+    LevelDB log format wandb writes (a 7-byte ':W&B' header, then 32 KiB blocks of records with a 7-byte header
+    each). Not in the order of the folder names: two runs started within one second share the name's timestamp,
+    and wandb adds "-1" to the second one's, which sorts before the first's ('-' < '/')."""
+    runs = [file_records(path) for path in glob.glob(os.path.join(run_dir, "wandb", "offline-run-*", "run-*.wandb"))]
+    runs.sort(key=lambda recs: min(r.run.start_time.ToNanoseconds() for _, r in recs
+                                   if r.WhichOneof("record_type") == "run"))
+    return [item for recs in runs for item in recs]
+
+
+def file_records(path):
     from wandb.proto import wandb_internal_pb2 as pb
     out = []
-    for path in sorted(glob.glob(os.path.join(run_dir, "wandb", "offline-run-*", "run-*.wandb"))):
-        data, pos, chunk = open(path, "rb").read(), 7, b""
-        assert data[:4] == b":W&B"
-        while pos + 7 <= len(data):
-            if 32768 - pos % 32768 < 7:  # a block's tail too short for a header is padding
-                pos += 32768 - pos % 32768
-                continue
-            length, kind = struct.unpack("<HB", data[pos + 4:pos + 7])
-            chunk, pos = chunk + data[pos + 7:pos + 7 + length], pos + 7 + length
-            if kind in (1, 4):  # a full record, or the last piece of one
-                record = pb.Record()
-                record.ParseFromString(chunk)
-                out.append((path, record))
-                chunk = b""
+    data, pos, chunk = open(path, "rb").read(), 7, b""
+    assert data[:4] == b":W&B"
+    while pos + 7 <= len(data):
+        if 32768 - pos % 32768 < 7:  # a block's tail too short for a header is padding
+            pos += 32768 - pos % 32768
+            continue
+        length, kind = struct.unpack("<HB", data[pos + 4:pos + 7])
+        chunk, pos = chunk + data[pos + 7:pos + 7 + length], pos + 7 + length
+        if kind in (1, 4):  # a full record, or the last piece of one
+            record = pb.Record()
+            record.ParseFromString(chunk)
+            out.append((path, record))
+            chunk = b""
     return out
 
 
@@ -67,6 +77,14 @@ def test_wandb_offline_history_is_metrics_jsonl(tiny_ckpt, tmp_path, monkeypatch
     data.write_text("".join(json.dumps({"prompt": f"What is {i} + {i}?", "answer": str(2 * i), "kind": "math"}) + "\n"
                             for i in range(4)))
     out = tmp_path / "run"
+    # both runs start within one wall-clock second, as a quick tiny run on a fast machine can: wandb then names
+    # the second run's folder with a "-1" suffix; the records must still be read in the order the runs started
+    import wandb.sdk.wandb_init as wandb_init
+    clock = iter(range(1, 1000))
+    second = int(time.time())
+    monkeypatch.setattr(wandb_init, "time", SimpleNamespace(**{k: getattr(time, k) for k in dir(time)
+                                                               if not k.startswith("_")}))
+    monkeypatch.setattr(wandb_init.time, "time", lambda: second + next(clock) / 1000)
     options = dict(model=tiny_ckpt, data=str(data), out_dir=str(out), steps=1, prompts_per_step=2, samples_per_prompt=2,
                    mini_batch_prompts=2, max_response_tokens=16, overlong_buffer=8, max_turns=2, save_every=1,
                    micro_batch_tokens=2048, logprob_micro_batch_tokens=2048, activation_checkpointing=False,

@@ -1,0 +1,91 @@
+"""evalresume.py: what `python evaluate.py` may reuse from an earlier run into the same --out.
+
+Samples are reused only when everything that changes an answer or its grade is the same: the
+model directory's files (weights, config, tokenizer and chat template), the sampling and tool
+settings, the problem files, and the graders' source. The key of those lies in
+<out>/resume_key.json; a run with another key moves the old trajectories aside
+(trajectories*.jsonl.replaced) and starts fresh, and one line says which it did and why."""
+
+import glob
+import hashlib
+import inspect
+import json
+import os
+
+# the EvalConfig fields that change what is sampled or how it is graded
+SETTINGS = ("n", "temperature", "top_p", "top_k", "max_prompt_tokens", "max_response_tokens",
+            "max_turns", "max_parallel_calls", "tool_output_chars", "tool_timeout",
+            "tool_memory_mb", "enable_thinking", "code_test_timeout", "seed", "dtype",
+            "attn_backend")
+
+
+def digest(paths, texts=()):
+    """sha256 over each file's name and bytes, then the texts."""
+    h = hashlib.sha256()
+    for path in paths:
+        h.update(os.path.basename(path).encode() + b"\0")
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 24), b""):
+                h.update(block)
+    for text in texts:
+        h.update(text.encode() + b"\0")
+    return h.hexdigest()
+
+
+def grader_source():
+    """The source of every function and table a grade depends on."""
+    import codetests
+    import evaluate as e
+    parts = [e.final_answer_text, e.boxed_answer, e._is_unit, e.normalize_math,
+             e.normalize_choice, e.score_math, e.score_choice, e.extract_program, e.score_code,
+             e.score, e.extract_pred, codetests]
+    tables = repr((e.BOX_WINDOW, sorted(e.UNIT_WORDS), sorted(e.TEXT_ONLY_UNITS)))
+    return [inspect.getsource(p) for p in parts] + [tables]
+
+
+def key(cfg, device):
+    """What the samples in --out must have been made with to be reused."""
+    names = [b.strip() for b in cfg.benchmarks.split(",") if b.strip()]
+    problems = [cfg.data] if cfg.data else [os.path.join(cfg.data_dir, f"{b}.jsonl")
+                                            for b in names]
+    model = sorted(p for p in glob.glob(os.path.join(cfg.model, "*")) if os.path.isfile(p))
+    settings = {k: getattr(cfg, k) for k in SETTINGS}
+    return {"model weights": digest(model), "problem files": digest(problems),
+            "sampling settings": dict(settings, device=device.type),
+            "grader": digest([], grader_source())}
+
+
+def reuse_or_start_fresh(out_dir, current):
+    """Rank 0, before any rollout: keep the trajectories in out_dir when they were made with the
+    same key, else move them aside; record the key; say in one line what was done and why."""
+    path = os.path.join(out_dir, "resume_key.json")
+    old = sorted(glob.glob(os.path.join(out_dir, "trajectories*.jsonl")))
+    saved = json.load(open(path)) if os.path.exists(path) else None
+    current = json.loads(json.dumps(current))  # as it reads back
+    if old and saved == current:
+        print(f"evaluate.py: reusing the finished problems in {out_dir}: the same model weights, "
+              f"sampling settings, problem files and grader", flush=True)
+        return
+    if old:
+        why = "no record of what made them" if saved is None else differences(saved, current)
+        for f in old:
+            os.replace(f, f + ".replaced")
+        print(f"evaluate.py: {out_dir} holds samples of another evaluation ({why}); starting "
+              f"fresh (the old ones are now trajectories*.jsonl.replaced)", flush=True)
+    os.makedirs(out_dir, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(current, f, indent=1)
+
+
+def differences(saved, current):
+    """'model weights differ; sampling settings differ: top_p 0.6 -> 0.9'."""
+    said = []
+    for part, now in current.items():
+        before = saved.get(part)
+        if isinstance(now, dict) and isinstance(before, dict):
+            changed = [f"{k} {before.get(k)!r} -> {v!r}" for k, v in now.items()
+                       if before.get(k) != v]
+            said += [f"{part} differ: " + ", ".join(changed)] if changed else []
+        elif before != now:
+            said.append(f"{part} differ")
+    return "; ".join(said)
