@@ -4,6 +4,7 @@ with one line naming the flag, the value and what is allowed, instead of a trace
 later (a ZeroDivisionError after the held-out evaluation, an empty result that exits 0)."""
 
 import dataclasses
+import json
 import math
 import os
 
@@ -95,3 +96,59 @@ def rollout(cfg):
         if cfg.sandbox_require not in ("floor", "all") and (not names or names - set(LAYERS)):
             refuse("sandbox_require", cfg.sandbox_require,
                    f"allowed: 'floor' | 'all' | names of {sorted(LAYERS)}, comma-separated")
+
+
+# ---------------------------------------------------------------- sft.py's data file
+class DataError(ValueError):
+    """A record the trainer cannot use; the message names file, line and field."""
+
+
+ROLES = ("system", "user", "assistant", "tool")
+
+
+def check_record(record, where):
+    """-> (messages, tools), or a DataError naming the field that is wrong."""
+    messages = record.get("messages") if isinstance(record, dict) else None
+    if not isinstance(messages, list) or not messages:
+        raise DataError(f"{where}: messages: expected a non-empty list, got {str(record)[:80]}")
+    messages, tools = record["messages"], record.get("tools")
+    if isinstance(tools, str):  # parquet exports often keep the tool list as JSON text
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{where}: tools: a string that is not valid JSON ({e})") from None
+    schemas = isinstance(tools, list) and all(isinstance(t, dict) for t in tools)
+    if tools is not None and not schemas:
+        raise DataError(f"{where}: tools: expected a list of tool schemas, got {str(tools)[:80]}")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise DataError(f"{where}: messages[{i}].role: expected one of {ROLES}, "
+                            f"got {str(m)[:80]}")
+        content = m.get("content")
+        if not (isinstance(content, str) or (content is None and m["role"] == "assistant")):
+            raise DataError(f"{where}: messages[{i}].content: expected a string, "
+                            f"got {content!r:.80}")
+        for j, call in enumerate(m.get("tool_calls") or []):
+            name = f"{where}: messages[{i}].tool_calls[{j}].function"
+            fn = call.get("function", call) if isinstance(call, dict) else None
+            if m["role"] != "assistant" or not isinstance(fn, dict) \
+                    or not isinstance(fn.get("name"), str):
+                raise DataError(f"{name}.name: expected a string on an assistant message")
+            if not isinstance(fn.get("arguments"), (str, dict)):
+                raise DataError(f"{name}.arguments: expected an object")
+    roles = [m["role"] for m in messages]
+    if roles[0] == "assistant" or "assistant" not in roles:
+        raise DataError(f"{where}: messages: no assistant message after a prompt, so nothing "
+                        f"to learn")
+    return messages, tools
+
+
+def check_data(path):
+    """Every record's JSON and fields, before anything is written (load_data renders them later,
+    with the tokenizer the toy preset must first build)."""
+    for lineno, line in enumerate(open(path, encoding="utf-8"), 1):
+        try:
+            if line.strip():
+                check_record(json.loads(line), f"{path}:{lineno}")
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{lineno}: not valid JSON ({e})") from None

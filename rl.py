@@ -55,7 +55,7 @@ from data import toy
 from interrupt import quiet_interrupt, resume_line
 from model import DTYPES, attention_path
 from multinode import check_shared, world_advice
-from runlog import Metrics, learning_curve, write_trajectories
+from runlog import Metrics, learning_curve, print_step, step_metrics, write_trajectories
 
 
 @dataclass
@@ -804,49 +804,6 @@ def run_eval(run, step):
     return result
 
 
-def step_metrics(step, everyone, groups, updates, samples, device, engine_stats):
-    """One metrics line: rewards, accuracy, tool use, lengths, the loss stats (means over the
-    updates), the entropy and the sampler/trainer log-prob mismatch over this step's tokens, the
-    KV pool (its size, its peak use and the preemptions: the largest and the sum over ranks)."""
-    n, calls = len(everyone), sum(s["tool_calls"] for s in everyone)
-    # The mismatch: the sampler's log-probs are under the distribution it drew from (softmax at
-    # the temperature, cut to top-k / top-p and renormalised: rollout.sample), the trainer's old
-    # log-probs under the full softmax at the same temperature. They agree, up to the two
-    # attention kernels' rounding, only at top_p 1 and top_k 0 (the RL defaults; setup() warns
-    # otherwise). The loss's ratio uses the trainer's.
-    ent = total = worst = outside = count = 0.0
-    for s in samples:
-        m, start = torch.tensor(s["mask"], dtype=torch.bool), s["prompt_len"] - 1
-        d = s["old_logprobs"][start:].cpu()[m] - torch.tensor(s["sampler_logprobs"])[m]
-        ent += float(s["entropy"][start:].cpu()[m].sum())
-        total, count = total + float(d.abs().sum()), count + d.numel()
-        worst = max([worst] + d.abs().tolist())
-        outside += float(((d.exp() < 0.9) | (d.exp() > 1.1)).sum())
-    sums = [ent, total, outside, count, engine_stats["preemptions"]]
-    ent, total, outside, count, preemptions = all_reduce(sums, device)
-    most = all_reduce([worst, engine_stats["kv_peak_tokens"]], device, dist.ReduceOp.MAX)
-    mean = lambda key: sum(s[key] for s in everyone) / n
-    rec = {"event": "step", "step": step, "reward": mean("reward"), "accuracy": mean("correct"),
-           "score": mean("score"), "tool_calls_per_traj": calls / n,
-           "tool_call_success": sum(s["tool_ok"] for s in everyone) / calls if calls else None,
-           "response_length": mean("length"),
-           "response_length_max": max(s["length"] for s in everyone),
-           "truncated": sum(s["finish"] == "length" for s in everyone) / n,
-           "max_turns_hit": sum(s["finish"] == "max_turns" for s in everyone) / n,
-           "groups_all_equal": sum(max(g) == min(g) for g in groups.values()) / len(groups),
-           "entropy": ent / max(count, 1), "mismatch_mean": total / max(count, 1),
-           "mismatch_max": most[0], "mismatch_outside": outside / max(count, 1),
-           "updates": len(updates), "kv_pool_tokens": engine_stats["kv_pool_tokens"],
-           "preemptions": int(preemptions), "kv_peak_tokens": int(most[1])}
-    for k in ("loss", "clip_high", "clip_low", "clip_dual", "approx_kl", "ref_kl", "grad_norm"):
-        vals = [u[k] for u in updates if k in u]
-        if vals:
-            rec[k] = sum(vals) / len(vals)
-    if updates:
-        rec["grad_norm_max"] = max(u["grad_norm"] for u in updates)
-    return rec
-
-
 def keep_trajectories(cfg, step, batch_ids, batch, samples, tokenizer):
     """The step's first cfg.save_trajectories groups, whole, into
     out_dir/trajectories/step_NNNNNN.jsonl.gz (rank 0 writes what every rank sends): evaluate.py's
@@ -868,19 +825,6 @@ def keep_trajectories(cfg, step, batch_ids, batch, samples, tokenizer):
     everyone = all_gather_list(mine)
     if dist.get_rank() == 0 and everyone:
         write_trajectories(cfg.out_dir, step, everyone)
-
-
-def print_step(rec, samples, cfg):
-    t = rec["time"]
-    clips = "/".join(f"{rec.get(k, 0):.3f}" for k in ("clip_high", "clip_low", "clip_dual"))
-    print0(f"step {rec['step']}: reward {rec['reward']:+.3f} acc {rec['accuracy']:.3f} calls/traj "
-           f"{rec['tool_calls_per_traj']:.2f} len {rec['response_length']:.0f} loss "
-           f"{rec.get('loss', 0):+.4f} gnorm {rec.get('grad_norm', 0):.3f} clip h/l/d {clips} "
-           f"mismatch {rec['mismatch_mean']:.2e} | rollout {t['rollout']:.1f}s (sandbox "
-           f"{t['sandbox']:.1f}) score {t['score']:.1f}s old-lp {t['old_logprob']:.1f}s update "
-           f"{t['update']:.1f}s step {t['step']:.1f}s")
-    for s in samples[:cfg.log_samples]:
-        print0(f"  sample (reward {s['reward']:+.2f}): {s['text'][:300]!r}")
 
 
 def main(argv=None):

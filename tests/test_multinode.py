@@ -201,7 +201,7 @@ def test_collective_timeout_is_an_option_with_a_training_default(monkeypatch):
         yield
     monkeypatch.setattr(rl, "distributed", fake)
     with pytest.raises(SystemExit):
-        rl.train(rl.parse_args(["--dist_timeout=7"]))
+        rl.train(rl.parse_args(["--preset=toy", "--dist_timeout=7"]))
     assert asked["minutes"] == 7.0
 
 

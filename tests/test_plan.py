@@ -18,6 +18,15 @@ SMALL = dict(micro_batch_tokens=256, logprob_micro_batch_tokens=512, max_prompt_
              max_response_tokens=448)
 
 
+@pytest.fixture(autouse=True)
+def no_process_group():
+    """The plan sets up a fake process group of its own; a world-1 gloo group that an earlier test
+    left in this process (common.setup_distributed) is taken down first."""
+    import torch.distributed as dist
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def tiny_config():
     return ModelConfig.from_dict(dict(TINY_CONFIG, vocab_size=2048))
 
