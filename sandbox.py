@@ -101,10 +101,10 @@ def format_tool_output(result: Result, max_chars: int = 256) -> str:
 # ---------------------------------------------------------------- module-level API
 
 _default, _default_lock = None, threading.Lock()
-_options = {"workers": None, "require": "floor"}
+_options = {"workers": None, "require": "default"}
 
 
-def configure(workers: int | None = None, require: str = "floor") -> None:
+def configure(workers: int | None = None, require: str = "default") -> None:
     """The default pool's options (rl.py and evaluate.py: --sandbox_workers, --sandbox_require),
     before it starts; workers=None: default_workers()."""
     with _default_lock:

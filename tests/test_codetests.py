@@ -19,10 +19,12 @@ def test_harnesses_format_to_python():
         codetests._STDIN_HARNESS.format(prelude=codetests.LCB_PRELUDE, program="print(1)"),
         codetests._CALL_HARNESS.format(source="def f(x):\n    return x", fn_name="f",
                                        inputs="1", marker="@@m@@"),
-        codetests._ASSERT_HARNESS.format(prefix="import math", program="def f(x):\n    return x",
-                                         test="def check(candidate):\n    assert candidate(1) == 1",
-                                         entry_point="f"),
     ]
+    line = codetests._AssertTest("import math", "def f(x):\n    return x",
+                                 "def check(candidate):\n    assert candidate(1) == 1", "f")
+    harnesses.append(line.next_run()[0])
+    line.stage, line.answers = "check", [["[[[1], {}]]", ["value", "[1, []]"]]]
+    harnesses.append(line.next_run()[0])
     for code in harnesses:
         compile(code, "<harness>", "exec")
 
