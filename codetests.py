@@ -198,10 +198,10 @@ def _decode(text, classes):
 '''
 exec(CODEC)
 
-# The solution's side of an assert-style check line (after CODEC): the row's prefix and the program in a
-# namespace of their own, then each of the line's calls of the candidate (the call's text from
-# the test, or its arguments as data), in order; the arguments and the value of each go out as
-# data after the marker. Neither the assertion nor its expected value is in this run.
+# The solution's side of an assert-style check line (run after CODEC): the row's prefix and the
+# program in a namespace of their own, then each of the line's calls of the candidate (the call's
+# text from the test, or its arguments as data), in order; the arguments and the value of each go
+# out as data after the marker. Neither the assertion nor its expected value is in this run.
 _VALUES_HARNESS = """
 import builtins, sys
 def _values(prefix, program, entry_point, param, calls, marker):
@@ -235,9 +235,10 @@ def _values(prefix, program, entry_point, param, calls, marker):
 _values({prefix!r}, {program!r}, {entry_point!r}, {param!r}, {calls!r}, {marker!r})
 """
 
-# The test's side (after CODEC): the row's prefix and check line in a namespace of their own, with no code of
-# the solution's anywhere in the run; the candidate answers each call with the solution's value,
-# rebuilt, where the arguments are those the solution's run had (else it asks for this call).
+# The test's side (run after CODEC): the row's prefix and check line in a namespace of their own,
+# with no code of the solution's anywhere in the run; the candidate answers each call with the
+# solution's value, rebuilt, where the arguments are those the solution's run had (else it asks
+# for this call).
 _CHECK_HARNESS = """
 import builtins, os, sys
 def _check(prefix, test, param, answers, marker):
@@ -386,6 +387,9 @@ class _AssertTest:
             try:
                 self.answers = json.loads(said)
             except (TypeError, ValueError, RecursionError):
+                self.passed = False
+                return
+            if len(self.answers) < len(self.calls):    # a call its test could not make either
                 self.passed = False
                 return
             if self.literal is not None and self.answers:

@@ -185,7 +185,7 @@ def _layers(found: dict) -> tuple:
         tasks = (nproc_uid and "RLIMIT_NPROC of the run's uid"
                  or nproc_userns and "RLIMIT_NPROC in a user namespace" or None)
     plan = {"landlock": found["landlock"], "mount": mount, "cgroup": cgroup and cgroup[0],
-            "nproc": bool(nproc_uid or nproc_userns), "tasks": tasks or "polled by the pool",
+            "nproc": bool(nproc_uid or nproc_userns), "tasks": tasks or "polled by the worker",
             "watch": ["disk"] * (not mount) + ["tasks"] * (not tasks),
             "uid": not uid["why"], "expose": [] if uid["why"] else uid["expose"],
             "shared": not uid["why"] and not found["landlock"] and not mount}
@@ -559,7 +559,8 @@ class Sandbox:
         if mount:
             disk_quota = f"tmpfs {checks['workdir_bytes'] / 2 ** 20:g} MiB"
         else:
-            disk_quota = f"polled: {MAX_FILES} files and the run's disk_mb"
+            disk_quota = (f"polled by the worker: {MAX_FILES} files and the run's disk_mb, open "
+                          f"unlinked files too; RLIMIT_FSIZE; O_TMPFILE and fallocate refused")
         return {"kernel": platform.release(), "arch": ARCH, "python": platform.python_version(),
                 "workers": self.num_workers,
                 "preimported": [m for m in hello["preimported"] if "." not in m],
