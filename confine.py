@@ -258,10 +258,12 @@ def closed_above(paths: list) -> list:
     return sorted(found)
 
 
-def expose(closed: list, keep: list) -> None:
-    """In a mount namespace of this process's own, make the `keep` paths below each `closed`
-    directory reachable by any uid: a tmpfs (0755) over the closed directory holds just those
-    paths, bind-mounted back at their places. Needs CAP_SYS_ADMIN."""
+def worker_namespace(closed: list, keep: list, hide: bool) -> bool:
+    """A mount namespace of this process's own (it needs CAP_SYS_ADMIN) where the `keep` paths
+    below each `closed` directory are reachable by any uid: a tmpfs (0755) over the closed
+    directory holds just those paths, bind-mounted back at their places. `hide`: /proc becomes a
+    fresh instance with hidepid=invisible, where a process sees the /proc/<pid> of no process it
+    may not ptrace (another uid's, or one not dumpable); whether that was done."""
     _check(_libc.unshare(_CLONE_NEWNS), "unshare(CLONE_NEWNS)")
     _check(_libc.mount(None, b"/", None, _MS_REC | _MS_PRIVATE, None), "mount(MS_PRIVATE)")
     umask = os.umask(0o022)
@@ -283,6 +285,10 @@ def expose(closed: list, keep: list) -> None:
                 os.close(fd)
     finally:
         os.umask(umask)
+    for option in (b"hidepid=invisible", b"hidepid=2") if hide else ():   # 5.8+, older kernels
+        if _libc.mount(b"proc", b"/proc", b"proc", 2 | 4 | 8, option) == 0:  # nosuid,nodev,noexec
+            return True
+    return False
 
 
 def has_capability(cap: int) -> bool:
@@ -459,12 +465,12 @@ def _try_uid(uid: int) -> dict:
     paths = readable_paths()
 
     def trial():
-        found = {"why": None, "expose": closed_above(paths), "nproc": False}
+        found = {"why": None, "expose": closed_above(paths), "nproc": False, "hide_proc": False}
         try:
-            if found["expose"]:
-                try:
-                    expose(found["expose"], paths)
-                except OSError as exc:
+            try:
+                found["hide_proc"] = worker_namespace(found["expose"], paths, True)
+            except OSError as exc:
+                if found["expose"]:
                     raise OSError(exc.errno, f"{', '.join(found['expose'])} closed to other "
                                   f"users, and no mount namespace to open: {exc.strerror}")
             become(uid)
@@ -472,6 +478,7 @@ def _try_uid(uid: int) -> dict:
                           if not os.access(p, os.R_OK | os.X_OK * os.path.isdir(p))]
             if unreadable:
                 found["why"] = f"uid {uid} cannot read {unreadable[0]}"
+            found["hide_proc"] &= not os.path.exists(f"/proc/{os.getppid()}")
             found["nproc"] = _nproc_binds()
         except OSError as exc:
             found["why"] = (f"uid {uid} is not mapped in this user namespace"
@@ -481,7 +488,8 @@ def _try_uid(uid: int) -> dict:
                         open("/proc/self/setgroups").read().strip() == "deny":
                     found["why"] += " (setgroups is denied in this user namespace)"
         return found
-    return _in_child(trial, {"why": "the child trying it died", "expose": [], "nproc": False})
+    return _in_child(trial, {"why": "the child trying it died", "expose": [], "nproc": False,
+                             "hide_proc": False})
 
 
 def detect(uid: int) -> dict:

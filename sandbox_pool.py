@@ -188,14 +188,16 @@ def _layers(found: dict) -> tuple:
             "nproc": bool(nproc_uid or nproc_userns), "tasks": tasks or "polled by the worker",
             "watch": ["disk"] * (not mount) + ["tasks"] * (not tasks),
             "uid": not uid["why"], "expose": [] if uid["why"] else uid["expose"],
+            "hide_proc": not uid["why"] and uid.get("hide_proc", False),
             "shared": not uid["why"] and not found["landlock"] and not mount}
     on, off, abi = ["seccomp", "rlimits", "no capabilities"], {}, found["landlock"]
     if uid["why"]:
         off["uid"] = uid["why"]
     else:
-        on.append("a uid of its own per worker"
-                  + f" (the Python installation opened to it under {', '.join(plan['expose'])})"
-                  * bool(plan["expose"]))
+        notes = ["/proc shows it only its own processes"] * plan["hide_proc"] + [
+            f"the Python installation opened to it under {', '.join(plan['expose'])}"
+        ] * bool(plan["expose"])
+        on.append("a uid of its own per worker" + f" ({'; '.join(notes)})" * bool(notes))
     if abi:
         on.append(f"Landlock ABI {abi}"
                   + " (without its TCP or signal rules: seccomp holds both)" * (abi < 6))

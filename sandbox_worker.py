@@ -3,8 +3,9 @@
 The pool (sandbox_pool.Sandbox) starts each worker as `python -I -S sandbox_worker.py --worker
 CONFIG`: isolated and without `site`, so no .pth file of any site-packages directory runs; the
 installation's site-packages directories come in CONFIG. The pieces, in the order a run meets them:
-- _zygote_main: the worker. It opens the Python installation to the runs' uid if a closed
-  directory hides it (in a mount namespace of its own), pre-imports, then forks one child per
+- _zygote_main: the worker. In a mount namespace of its own where it may, it opens the Python
+  installation to the runs' uid if a closed directory hides it and shows them a /proc of their
+  own processes only; it pre-imports, then forks one child per
   "fork" request, which carries four pipe ends and the run's disk limit (no job data), polls what
   the kernel does not bound for it (_overdrawn), and reports the child's exit status.
 - _child: confines the forked child in the fixed order, then _run_user_code runs the code like
@@ -222,8 +223,8 @@ def _zygote_main(config: dict) -> None:
     prctl(PR_SET_DUMPABLE, 0)          # no run opens our /proc/<pid>/mem, even as our uid
     sock = socket.socket(fileno=config["fd"])
     imported, plan, uid, directory = [], config["plan"], config["uid"], config["dir"]
-    if plan["expose"]:                 # the Python installation, reachable by the runs' uid
-        confine.expose(plan["expose"], readable_paths() + [directory])
+    if plan["expose"] or plan["hide_proc"]:    # Python reachable by the runs' uid; /proc hidden
+        confine.worker_namespace(plan["expose"], readable_paths() + [directory], plan["hide_proc"])
     if uid is not None and not plan["mount"]:
         os.chown(directory, uid, uid)
     # Children are born in this pids cgroup; moving each run into it instead would take

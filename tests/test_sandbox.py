@@ -1626,7 +1626,8 @@ def another_user():
 
 def test_a_run_is_another_user(another_user, tmp_path):
     """Where the pool can (root, CAP_SETUID), a run has a uid of its own, never 0: nothing of the
-    owner's that only its uid may read or write, no way into its /proc/<pid>, no kernel knob
+    owner's that only its uid may read or write, no way into its /proc/<pid> (not even its command
+    line, where the worker may mount a /proc of the runs' own processes), no kernel knob
     (/proc/sys) or cgroup file root owns, no inode flags on host files."""
     public = tempfile.mkdtemp()                      # a directory others may enter
     os.chmod(public, 0o755)
@@ -1652,7 +1653,12 @@ def same_value(path):
 def set_flags(path):
     fd = os.open(path, os.O_RDONLY)
     fcntl.ioctl(fd, 0x40086602, struct.pack("l", 0x40))      # FS_IOC_SETFLAGS: nodump
+def visible(pid):
+    if str(pid) not in os.listdir("/proc"):
+        raise FileNotFoundError(pid)
 attempt("read a 0600 file", lambda: open({secret!r}).read())
+attempt("see the owner in /proc", lambda: visible(owner))
+attempt("owner's command line", lambda: open(f"/proc/{{owner}}/cmdline", "rb").read())
 attempt("owner's environ", lambda: open(f"/proc/{{owner}}/environ", "rb").read())
 attempt("owner's memory", lambda: open(f"/proc/{{owner}}/mem", "rb"))
 attempt("owner's oom score", lambda: open(f"/proc/{{owner}}/oom_score_adj", "w").write("1000"))

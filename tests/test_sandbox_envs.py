@@ -87,6 +87,8 @@ CHECKS = {
     "owner file": "try:\n    print(open(SECRET).read())\nexcept OSError:\n    print('refused')",
     "owner environ": "try:\n    open(f'/proc/{OWNER}/environ', 'rb').read()\n    print('READ')\n"
                      "except OSError:\n    print('refused')",
+    "owner cmdline": "try:\n    open(f'/proc/{OWNER}/cmdline', 'rb').read()\n    print('READ')\n"
+                     "except OSError:\n    print('refused')",
     "owner oom": "try:\n    open(f'/proc/{OWNER}/oom_score_adj', 'w').write('1000')\n    print('WROTE')\n"
                  "except OSError:\n    print('refused')",
     "own oom": "try:\n    open('/proc/self/oom_score_adj', 'w').write('0')\n    print('LOWERED')\n"
@@ -229,7 +231,7 @@ def test_the_sandbox_starts_and_says_what_is_in_force(name):
         assert "\n" not in found["refused"] and "--sandbox_require=floor starts anyway" in found["refused"]
         assert "no uid of its own [" in found["refused"] and "no Landlock [" in found["refused"]
     for check in set(CHECKS) - {"verdict", "host file", "disk", "threads", "whoami", "owner file",
-                                "credentials", "shm"}:
+                                "credentials", "shm", "owner cmdline"}:
         assert results[check][:2] == ["ok", "ok" if check in ("fork", "socket", "signal", "inotify", "flock",
                                                               "utime", "leave files", "next run") else "refused"], \
             (check, results[check])
@@ -248,6 +250,8 @@ def test_the_sandbox_starts_and_says_what_is_in_force(name):
     assert results["owner file"][1] == ("refused" if boundary else "TRAINER-SECRET"), results["owner file"]
     assert results["shm"][1] == ("refused" if {"landlock", "mount"} - expected_off else "wrote"), results["shm"]
     assert found["shm_left"] == (not boundary), found["shm_left"]     # a uid of its own: removed after the run
+    hidden = "landlock" not in expected_off or "/proc shows it only its own processes" in found["line"]
+    assert results["owner cmdline"][1] == ("refused" if hidden else "READ"), results["owner cmdline"]
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--launch"]:
