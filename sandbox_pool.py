@@ -40,7 +40,7 @@ import confine
 from confine import ARCH, MAX_FILES, PR_SET_DUMPABLE, available_cores, missing_layer, prctl
 # The worker's limits are part of this module's API (tests and scripts read them here).
 from sandbox_worker import (MAX_OPEN_FILES, MAX_SIGNALS, MAX_TASKS, PREIMPORT,  # noqa: F401
-                            THREAD_VARS, THIS_FILE as WORKER_FILE, WATCH, remove_tree)
+                            THREAD_VARS, THIS_FILE as WORKER_FILE, remove_tree)
 
 DEFAULT_OUTPUT_LIMIT = 64 * 1024   # bytes kept of stdout and of stderr, each
 DEFAULT_DISK_MB = 64               # tmpfs size: the run's total bytes on disk
