@@ -93,9 +93,10 @@ def rollout(cfg):
     if hasattr(cfg, "sandbox_require"):
         from sandbox_pool import LAYERS
         names = set(cfg.sandbox_require.split(",")) - {""}
-        if cfg.sandbox_require not in ("floor", "all") and (not names or names - set(LAYERS)):
-            refuse("sandbox_require", cfg.sandbox_require,
-                   f"allowed: 'floor' | 'all' | names of {sorted(LAYERS)}, comma-separated")
+        presets = ("default", "floor", "all")
+        if cfg.sandbox_require not in presets and (not names or names - set(LAYERS)):
+            refuse("sandbox_require", cfg.sandbox_require, "allowed: 'default' | 'floor' | 'all' | "
+                   f"names of {sorted(LAYERS)}, comma-separated")
 
 
 # ---------------------------------------------------------------- sft.py's data file

@@ -6,11 +6,13 @@ grades each the way its source does:
     on each case's input; its output compared by LiveCodeBench's rules (_same_output);
   functional problems (fn_name): the Solution method or top-level function called on each case's
     arguments, the value compared by value (_call_passed; TACO/APPS's wrapped ground truth too);
-  assert-style rows (upstream's code_math): one run per check line, passed when the run ends "ok"
-    (_ASSERT_HARNESS).
-One sandboxed run per test; the expected outputs never enter the sandbox, they are compared here.
-evaluate.py's code grader (score_code) calls run_tests; this module imports sandbox (when it runs
-something), never evaluate.
+  assert-style rows (upstream's code_math): per check line, a run of the program gives the
+    candidate's values for the line's calls as data (_VALUES_HARNESS), and the assertion is
+    evaluated where the program never ran: here for a comparison with a literal, else in a run
+    of the test alone (_CHECK_HARNESS) (_AssertTest).
+The expected outputs never enter a run of the program; they are compared here or in the test's
+own run. evaluate.py's code grader (score_code) calls run_tests; this module imports sandbox
+(when it runs something), never evaluate.
 """
 
 import ast
@@ -33,74 +35,6 @@ try:
     exec(compile({program!r}, "<solution>", "exec", dont_inherit=True))
 except SystemExit:             # LiveCodeBench grades the output printed before a SystemExit
     pass
-"""
-
-# Assert-style rows (upstream's code_math): the row's import_prefix, the program, then one line of
-# check(candidate). The program runs in a namespace of its own; check() in a fresh one made from
-# the prefix after it, restored after every call; whatever crosses between them is rebuilt from
-# plain builtins (numpy scalars made Python ones) and the prefix's own classes (ListNode, ...), so
-# no object, helper or builtin of the program's takes part in a comparison; exiting early fails.
-# (A backslash at a line's end inside the string joins the next line to it: the text is one line.)
-_ASSERT_HARNESS = """import builtins
-def _plain(value, classes, seen):
-    if type(value) in (bool, int, float, complex, str, bytes, type(None)):
-        return value
-    if id(value) in seen:
-        return seen[id(value)]
-    if type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 0:
-        return _plain(value.item(), classes, seen)
-    for base, copy in ((int, int.__int__), (float, float.__float__), (complex, complex.__complex__),
-                       (str, str.__str__), (bytes, bytes.__bytes__)):
-        if isinstance(value, base):
-            return copy(value)
-    if isinstance(value, (list, dict)):
-        out = seen[id(value)] = [] if isinstance(value, list) else {{}}
-        if isinstance(value, list):
-            out.extend(_plain(x, classes, seen) for x in list.__iter__(value))
-        else:
-            out.update((_plain(k, classes, seen), _plain(x, classes, seen)) \
-for k, x in dict.items(value))
-        return out
-    for base in (tuple, frozenset, set):
-        if isinstance(value, base):
-            return base(_plain(x, classes, seen) for x in base.__iter__(value))
-    if type(value).__name__ in classes:
-        out = seen[id(value)] = object.__new__(classes[type(value).__name__])
-        for key, x in dict.items(object.__getattribute__(value, "__dict__")):
-            object.__setattr__(out, key, _plain(x, classes, seen))
-        return out
-    raise TypeError(f"the solution gave a {{type(value).__name__}}, not a plain value")
-def _space(prefix, clean):
-    names = {{"__name__": "__main__", "__builtins__": dict(clean)}}
-    exec(compile(prefix, "<prefix>", "exec", dont_inherit=True), names)
-    return names
-def _classes(names):
-    return {{v.__name__: v for v in names.values() \
-if isinstance(v, type) and v.__module__ == "__main__"}}
-def _grade(prefix, program, test, entry_point):
-    clean = dict(vars(builtins))
-    theirs = _space(prefix, clean)
-    try:
-        exec(compile(program, "<solution>", "exec", dont_inherit=True), theirs)
-        candidate = eval(entry_point, theirs)
-    except SystemExit:
-        raise AssertionError("the solution exited before its test ran") from None
-    ours = _space(prefix, clean)
-    exec(compile(test, "<test>", "exec", dont_inherit=True), ours)
-    saved, saved_builtins = dict(ours), dict(ours["__builtins__"])
-    def call(*args, **kwargs):
-        args, kwargs = _plain((args, kwargs), _classes(theirs), {{}})
-        try:
-            value = candidate(*args, **kwargs)
-        except SystemExit:
-            raise AssertionError("the solution exited during its test") from None
-        finally:                 # what the test sees, as it was before the call
-            for names, snapshot in ((ours, saved), (saved["__builtins__"], saved_builtins)):
-                names.clear()
-                names.update(snapshot)
-        return _plain(value, _classes(ours), {{}})
-    ours["check"](call)
-_grade({prefix!r}, {program!r}, {test!r}, {entry_point!r})
 """
 
 # Imported as a module (not __main__), as LiveCodeBench does; the value comes back as its
@@ -152,17 +86,361 @@ def _call_passed(result, marker, expected, wrapped):
                            and got == want[0])
 
 
-def _jobs(source, tests):
-    """(code, stdin, check) per test: the sandbox's input, and how its Result is judged."""
+# Values that cross between a solution's run and the test's side, as one JSON text: a flat table
+# of nodes, so no depth costs recursion. An atom is a JSON scalar (None, a bool, a str, a float,
+# an int under 4000 bits) or [k], node k of: ["int", hex], ["complex", re, im], ["bytes", hex],
+# ["list" | "tuple" | "set" | "frozenset", [atom, ...]], ["dict", [[key, value], ...]], and
+# ["obj", name, [[field, atom], ...]] for an object of one of the row's prefix classes (ListNode,
+# TreeNode), rebuilt by name. Subclasses of these types cross as the base type (numpy scalars as
+# Python ones); any other value is refused. Run in both harnesses, and here for the literal case.
+CODEC = r'''
+import json as _json
+def _encode(value, classes):
+    nodes, seen, alive, todo = [], {}, [], []
+    def node(entry):
+        nodes.append(entry)
+        return [len(nodes) - 1]
+    def atom(v):
+        t = type(v)
+        if v is None or t is bool or t is str or t is float:
+            return v
+        if t is int:
+            return v if v.bit_length() < 4000 else node(["int", hex(v)])
+        if t.__module__ == "numpy" and getattr(v, "ndim", None) == 0:
+            return atom(v.item())
+        for base, copy in ((int, int.__int__), (float, float.__float__),
+                           (complex, complex.__complex__), (str, str.__str__),
+                           (bytes, bytes.__bytes__)):
+            if isinstance(v, base):
+                v = copy(v)
+                if base is complex:
+                    return node(["complex", v.real, v.imag])
+                return node(["bytes", v.hex()]) if base is bytes else atom(v)
+        if isinstance(v, (list, tuple, set, frozenset, dict)) or t.__name__ in classes:
+            if id(v) not in seen:
+                seen[id(v)] = len(nodes)
+                nodes.append(None)
+                alive.append(v)
+                todo.append(v)
+            return [seen[id(v)]]
+        raise TypeError(f"the solution gave a {t.__name__}, not a plain value")
+    root = atom(value)
+    while todo:
+        v = todo.pop()
+        k = seen[id(v)]
+        if isinstance(v, list):
+            nodes[k] = ["list", [atom(x) for x in list.__iter__(v)]]
+        elif isinstance(v, dict):
+            nodes[k] = ["dict", [[atom(a), atom(b)] for a, b in dict.items(v)]]
+        elif isinstance(v, tuple):
+            nodes[k] = ["tuple", [atom(x) for x in tuple.__iter__(v)]]
+        elif isinstance(v, (set, frozenset)):
+            kind = set if isinstance(v, set) else frozenset
+            items = list(kind.__iter__(v))
+            try:
+                items.sort(key=repr)          # the same order in every process
+            except Exception:
+                pass
+            nodes[k] = [kind.__name__, [atom(x) for x in items]]
+        else:
+            fields = dict.items(object.__getattribute__(v, "__dict__"))
+            nodes[k] = ["obj", type(v).__name__, [[str.__str__(key), atom(x)] for key, x in fields]]
+    return _json.dumps([root, nodes])
+def _decode(text, classes):
+    root, nodes = _json.loads(text)
+    missing = object()
+    built = [missing] * len(nodes)
+    def get(a):
+        if type(a) is list:
+            if built[a[0]] is missing:
+                raise ValueError("a cycle through an immutable value")
+            return built[a[0]]
+        if a is None or type(a) in (bool, int, float, str):
+            return a
+        raise ValueError(f"not a value: {a!r}")
+    makers = {"list": list, "dict": dict, "set": set}
+    for k, entry in enumerate(nodes):
+        tag = entry[0]
+        if tag in makers:
+            built[k] = makers[tag]()
+        elif tag == "int":
+            built[k] = int(entry[1], 16)
+        elif tag == "complex":
+            built[k] = complex(float(entry[1]), float(entry[2]))
+        elif tag == "bytes":
+            built[k] = bytes.fromhex(entry[1])
+        elif tag == "obj":
+            built[k] = object.__new__(classes[entry[1]])
+        elif tag not in ("tuple", "frozenset"):
+            raise ValueError(f"unknown node {tag!r}")
+    waiting = [k for k in reversed(range(len(nodes))) if nodes[k][0] in ("tuple", "frozenset")]
+    while waiting:                     # immutable ones after what they hold
+        later = [k for k in waiting if any(type(a) is list and built[a[0]] is missing
+                                           for a in nodes[k][1])]
+        if len(later) == len(waiting):
+            raise ValueError("a cycle through an immutable value")
+        for k in waiting:
+            if k not in later:
+                built[k] = (tuple if nodes[k][0] == "tuple" else frozenset)(map(get, nodes[k][1]))
+        waiting = later
+    for k, entry in enumerate(nodes):
+        if entry[0] == "list":
+            built[k].extend(map(get, entry[1]))
+        elif entry[0] == "obj":
+            for key, a in entry[2]:
+                object.__setattr__(built[k], key, get(a))
+    for k, entry in enumerate(nodes):
+        if entry[0] == "dict":
+            built[k].update((get(a), get(b)) for a, b in entry[1])
+        elif entry[0] == "set":
+            built[k].update(map(get, entry[1]))
+    return get(root)
+'''
+exec(CODEC)
+
+# The solution's side of an assert-style check line (run after CODEC): the row's prefix and the
+# program in a namespace of their own, then each of the line's calls of the candidate (the call's
+# text from the test, or its arguments as data), in order; the arguments and the value of each go
+# out as data after the marker. Neither the assertion nor its expected value is in this run.
+_VALUES_HARNESS = """
+import builtins, sys
+def _values(prefix, program, entry_point, param, calls, marker):
+    theirs = {{"__name__": "__main__", "__builtins__": builtins}}
+    exec(compile(prefix, "<prefix>", "exec", dont_inherit=True), theirs)
+    names = {{v.__name__ for v in list(theirs.values())
+             if isinstance(v, type) and v.__module__ == "__main__"}}
+    exec(compile(program, "<solution>", "exec", dont_inherit=True), theirs)
+    candidate, records = eval(entry_point, theirs), []
+    def call(*args, **kwargs):
+        records.append([_encode((args, kwargs), names)])
+        try:
+            value = candidate(*args, **kwargs)
+        except Exception as exc:
+            records[-1].append(["raised", type(exc).__name__])
+            raise
+        records[-1].append(["value", _encode(value, names)])
+        return value
+    for kind, text in calls:
+        try:
+            if kind == "expr":
+                space = dict(theirs, **{{param: call}})
+                eval(compile(text, "<test>", "eval", dont_inherit=True), space)
+            else:
+                args, kwargs = _decode(text, {{n: theirs[n] for n in names if n in theirs}})
+                call(*args, **kwargs)
+        except Exception:
+            pass                       # the test's side raises it in its turn
+    sys.stdout.flush()
+    sys.stdout.write("\\n" + marker + _json.dumps(records) + "\\n")
+_values({prefix!r}, {program!r}, {entry_point!r}, {param!r}, {calls!r}, {marker!r})
+"""
+
+# The test's side (run after CODEC): the row's prefix and check line in a namespace of their own,
+# with no code of the solution's anywhere in the run; the candidate answers each call with the
+# solution's value, rebuilt, where the arguments are those the solution's run had (else it asks
+# for this call).
+_CHECK_HARNESS = """
+import builtins, os, sys
+def _check(prefix, test, param, answers, marker):
+    ours = {{"__name__": "__main__", "__builtins__": builtins}}
+    exec(compile(prefix, "<prefix>", "exec", dont_inherit=True), ours)
+    classes = {{v.__name__: v for v in list(ours.values())
+               if isinstance(v, type) and v.__module__ == "__main__"}}
+    exec(compile(test, "<test>", "exec", dont_inherit=True), ours)
+    calls = []
+    def candidate(*args, **kwargs):
+        seen = _encode((args, kwargs), classes)
+        if len(calls) >= len(answers) or answers[len(calls)][0] != seen:
+            sys.stdout.write("\\n" + marker + "need " + str(len(calls)) + " " + seen + "\\n")
+            sys.stdout.flush()
+            os._exit(0)
+        kind, value = answers[len(calls)][1]
+        calls.append(kind)
+        if kind == "raised":
+            error = getattr(builtins, value, None)
+            if isinstance(error, type) and issubclass(error, Exception):
+                raise error()
+            raise Exception(value)
+        return _decode(value, classes)
+    ours["check"](candidate)
+    sys.stdout.write("\\n" + marker + "pass\\n")
+_check({prefix!r}, {test!r}, {param!r}, {answers!r}, {marker!r})
+"""
+MAX_ROUNDS = 8                     # runs of the solution for one check line, at most
+
+# Where a candidate call may be evaluated never or more than once (its value is not one per
+# call site): the test's own run learns those calls one at a time.
+_BRANCHING = (ast.BoolOp, ast.IfExp, ast.Lambda, ast.ListComp, ast.SetComp, ast.DictComp,
+              ast.GeneratorExp, ast.NamedExpr, ast.Await, ast.Yield, ast.YieldFrom)
+
+
+class _Dynamic(Exception):
+    """A check line whose calls cannot be read off its text."""
+
+
+def _calls_of(function: ast.FunctionDef, param: str) -> list:
+    """The candidate calls of a check function in the order they run, as text, where each runs
+    exactly once with arguments that depend on no value of the test's own; else _Dynamic."""
+    local = {target.id for stmt in function.body if isinstance(stmt, ast.Assign)
+             for target in stmt.targets if isinstance(target, ast.Name)}
+    calls = []
+
+    def visit(node, branching):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == param:
+            names = {n.id for arg in node.args + node.keywords for n in ast.walk(arg)
+                     if isinstance(n, ast.Name)}
+            if branching or param in names or names & local:
+                raise _Dynamic
+            return calls.append(node)
+        if isinstance(node, ast.Name) and node.id == param:
+            raise _Dynamic             # the candidate passed on, or looked at
+        branching = (branching or isinstance(node, _BRANCHING)
+                     or isinstance(node, ast.Compare) and len(node.ops) > 1)
+        for child in ast.iter_child_nodes(node):
+            visit(child, branching)
+
+    for stmt in function.body:
+        if isinstance(stmt, ast.Assert):
+            visit(stmt.test, False)
+            if stmt.msg is not None:
+                visit(stmt.msg, True)  # evaluated only when the assertion fails
+        elif isinstance(stmt, ast.Expr):
+            visit(stmt.value, False)
+        elif isinstance(stmt, ast.Assign) and all(isinstance(t, ast.Name) for t in stmt.targets):
+            visit(stmt.value, False)
+        elif not isinstance(stmt, ast.Pass):
+            raise _Dynamic
+    return [ast.unparse(call) for call in sorted(calls, key=lambda c: (c.lineno, c.col_offset))]
+
+
+def _literal_check(function: ast.FunctionDef, param: str):
+    """For `assert candidate(...) == <literal>` (or !=, `is None`, the call alone, `not` it):
+    a function of the decoded value saying whether the assertion holds; else None."""
+    if len(function.body) != 1 or not isinstance(function.body[0], ast.Assert):
+        return None
+    test = function.body[0].test
+
+    def is_call(node):
+        return (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                and node.func.id == param)
+    if is_call(test):
+        return bool
+    if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not) and is_call(test.operand):
+        return lambda value: not value
+    if not isinstance(test, ast.Compare) or len(test.ops) != 1:
+        return None
+    (op,), left, right = test.ops, test.left, test.comparators[0]
+    if is_call(right) and isinstance(op, (ast.Eq, ast.NotEq)):
+        left, right = right, left
+    if not is_call(left):
+        return None
+    if isinstance(op, (ast.Is, ast.IsNot)):
+        if not isinstance(right, ast.Constant) or right.value not in (None, True, False):
+            return None
+        same = right.value
+        return (lambda v: v is same) if isinstance(op, ast.Is) else (lambda v: v is not same)
+    try:
+        expected = ast.literal_eval(right)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return None
+    if isinstance(op, ast.Eq):
+        return lambda value: value == expected
+    return (lambda value: value != expected) if isinstance(op, ast.NotEq) else None
+
+
+class _AssertTest:
+    """One check line of an assert-style row. A run of the solution computes the candidate's
+    values for the line's calls and sends them out as data; the assertion is evaluated where no
+    code of the solution's ever ran: here, for a comparison with a literal, else in a run of
+    the test's own (_CHECK_HARNESS), which asks for the calls it met that the solution's run did
+    not make, one more solution run each."""
+
+    def __init__(self, prefix: str, program: str, test: str, entry_point: str):
+        self.prefix, self.program, self.test, self.entry = prefix, program, test, entry_point
+        self.passed, self.rounds, self.answers = None, 0, []
+        try:
+            function = ast.parse(test).body[0]
+            self.param = (function.args.posonlyargs + function.args.args)[0].arg
+        except (SyntaxError, ValueError, IndexError, AttributeError, RecursionError):
+            self.passed = False        # as the line itself would fail: no check(candidate)
+            return
+        try:
+            self.calls = [("expr", text) for text in _calls_of(function, self.param)]
+            self.literal = _literal_check(function, self.param) if len(self.calls) == 1 else None
+            self.stage = "solution"
+        except (_Dynamic, RecursionError):
+            self.calls, self.literal, self.stage = [], None, "check"
+
+    def next_run(self) -> tuple:
+        self.marker = f"@@sandbox-{self.stage}-{secrets.token_hex(8)}@@"
+        if self.stage == "solution":
+            return CODEC + _VALUES_HARNESS.format(prefix=self.prefix, program=self.program,
+                                                  entry_point=self.entry, param=self.param,
+                                                  calls=self.calls, marker=self.marker), ""
+        return CODEC + _CHECK_HARNESS.format(prefix=self.prefix, test=self.test, param=self.param,
+                                             answers=self.answers, marker=self.marker), ""
+
+    def take(self, result) -> None:
+        at = result.stdout.rfind(self.marker)
+        said = result.stdout[at + len(self.marker):].strip() if result.ok and at >= 0 else None
+        if self.stage == "solution":
+            try:
+                self.answers = json.loads(said)
+            except (TypeError, ValueError, RecursionError):
+                self.passed = False
+                return
+            if len(self.answers) < len(self.calls):    # a call its test could not make either
+                self.passed = False
+                return
+            if self.literal is not None and self.answers:
+                self.passed = self._judge_here()
+                if self.passed is not None:
+                    return
+            self.stage = "check"
+        elif said == "pass":
+            self.passed = True
+        elif said and said.startswith("need ") and self.rounds < MAX_ROUNDS:
+            index, args = said[5:].split(" ", 1)
+            self.calls = self.calls[:int(index)] + [("data", args)]
+            self.rounds, self.stage = self.rounds + 1, "solution"
+        else:
+            self.passed = False
+
+    def _judge_here(self):
+        """The literal comparison on the decoded value; None where the value holds one of the
+        prefix's classes (the test's run rebuilds those)."""
+        kind, value = self.answers[0][1] if len(self.answers[0]) == 2 else ("raised", "")
+        if kind != "value":
+            return False
+        try:
+            return bool(self.literal(_decode(value, {})))
+        except KeyError:
+            return None
+        except Exception:              # not a value, too deep, ...: no pass
+            return False
+
+
+class _OneRun:
+    """A test decided by one run: its code, its stdin, and how its Result is judged."""
+
+    def __init__(self, code: str, stdin: str, judge):
+        self.code, self.stdin, self.judge, self.passed = code, stdin, judge, None
+
+    def next_run(self) -> tuple:
+        return self.code, self.stdin
+
+    def take(self, result) -> None:
+        self.passed = bool(self.judge(result))
+
+
+def _tests(source, tests):
+    """One object per test (_OneRun or _AssertTest): the runs it needs, and its verdict."""
     cases = tests.get("cases") or []
     if tests.get("test_code") is not None:     # assert-style, as upstream's code_math grades
         lines = [line for line in tests["test_code"].split("\n") if line != ""]
-        jobs = []
-        for line in lines[1:]:                 # line 0 is check()'s header, before every test
-            code = _ASSERT_HARNESS.format(prefix=tests.get("import_prefix", ""), program=source,
-                                          test=lines[0] + line, entry_point=tests["entry_point"])
-            jobs.append((code, "", lambda r: r.ok))
-        return jobs
+        # line 0 is check()'s header, before every test
+        return [_AssertTest(tests.get("import_prefix", ""), source, lines[0] + line,
+                            tests["entry_point"]) for line in lines[1:]]
     if tests.get("fn_name"):
         jobs = []
         for case in cases:
@@ -170,36 +448,44 @@ def _jobs(source, tests):
             marker = f"@@sandbox-result-{secrets.token_hex(8)}@@"
             code = _CALL_HARNESS.format(source=LCB_PRELUDE + source, fn_name=tests["fn_name"],
                                         inputs=str(case.get("input", "")), marker=marker)
-            jobs.append((code, "", lambda r, m=marker, e=str(case.get("output", "")):
-                         _call_passed(r, m, e, bool(tests.get("wrapped")))))
+            jobs.append(_OneRun(code, "", lambda r, m=marker, e=str(case.get("output", "")):
+                                _call_passed(r, m, e, bool(tests.get("wrapped")))))
         return jobs
     harness = _STDIN_HARNESS.format(prelude=LCB_PRELUDE, program=source)
-    return [(harness, str(case.get("input", "")),
-             lambda r, e=str(case.get("output", "")): r.ok and _same_output(r.stdout, e))
+    return [_OneRun(harness, str(case.get("input", "")),
+                    lambda r, e=str(case.get("output", "")): r.ok and _same_output(r.stdout, e))
             for case in cases]
 
 
 def run_tests(program, tests, timeout=6.0, stop_on_failure=False, memory_mb=1024, sandbox=None):
-    """Per-test pass/fail of `program` on `tests` (the three shapes of docs/CONTRACTS.md), one
-    sandboxed run per test, concurrent unless `stop_on_failure` (one by one, the first failure
-    fails the rest unrun). Outputs are compared here, not in the sandbox; an assert-style test
-    passes when its run ends "ok" (the sandbox's epilogue after check() returned,
-    _ASSERT_HARNESS)."""
+    """Per-test pass/fail of `program` on `tests` (the three shapes of docs/CONTRACTS.md), in the
+    sandbox, concurrent unless `stop_on_failure` (one by one, the first failure fails the rest
+    unrun). Outputs are compared here, not in the sandbox; an assert-style test is one run of the
+    solution and, unless its assertion compares with a literal, one of the test (_AssertTest)."""
     source = program if isinstance(program, str) else ""
-    jobs = _jobs(source, tests)
     if not source.strip():
-        return [False] * len(jobs)
+        return [False] * len(_tests("", tests))
     import sandbox as sandbox_module
     box = sandbox or sandbox_module.default_sandbox()
 
-    def launch(code, stdin):
-        return box.submit(code, timeout, memory_mb, stdin, output_limit=GRADING_OUTPUT_LIMIT)
+    def settle(group):                 # every test of `group` decided, their runs concurrent
+        while undecided := [test for test in group if test.passed is None]:
+            futures = []
+            for test in undecided:
+                code, stdin = test.next_run()
+                futures.append(box.submit(code, timeout, memory_mb, stdin,
+                                          output_limit=GRADING_OUTPUT_LIMIT))
+            for test, future in zip(undecided, futures):
+                test.take(future.result())
 
+    every = _tests(source, tests)
     if not stop_on_failure:
-        futures = [launch(code, stdin) for code, stdin, _ in jobs]
-        return [bool(check(future.result())) for (_, _, check), future in zip(jobs, futures)]
+        settle(every)
+        return [test.passed for test in every]
     passed, ok = [], True
-    for code, stdin, check in jobs:  # one after another; after the first failure nothing runs
-        ok = ok and bool(check(launch(code, stdin).result()))
+    for test in every:               # one after another; after the first failure nothing runs
+        if ok:
+            settle([test])
+        ok = ok and test.passed
         passed.append(ok)
     return passed

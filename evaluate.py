@@ -66,7 +66,7 @@ class EvalConfig:
     dtype: str = ""                     # "" = bfloat16 on CUDA, float32 on CPU
     attn_backend: str = "auto"          # auto (flash-attn on CUDA if it imports) | sdpa | flash
     sandbox_workers: int = 0            # sandbox processes (0: this rank's share of the cores)
-    sandbox_require: str = "floor"      # floor: layers the machine grants | all: each one, or stop
+    sandbox_require: str = "default"    # default: run uid or Landlock, else stop | floor | all
     wandb_project: str = ""             # log config and summary to Weights & Biases ("": off)
     wandb_run: str = ""                 # the wandb run's name ("": wandb's own)
 

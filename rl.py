@@ -109,7 +109,7 @@ class Config:  # defaults: the paper's recipe (docs/DESIGN.md: the source of eac
     tool_timeout: float = 10.0
     tool_memory_mb: int = 1024
     sandbox_workers: int = 0       # this rank's sandbox processes (0: its share of the cores)
-    sandbox_require: str = "floor"  # floor: the layers the machine grants | all: every layer
+    sandbox_require: str = "default"  # default: a uid of the run's own or Landlock | floor | all
     enable_thinking: str = "default"  # the template's switch (Qwen3 hybrid): default|true|false
     eval_every: int = 10           # steps (0: only before and after training)
     eval_n: int = 32

@@ -8,22 +8,25 @@ with it.
     python sandbox.py 'print(1 + 1)'   python sandbox.py --tool $'x = 6 * 7\nx'
     python sandbox.py --capabilities   python scripts/bench_sandbox.py
 
-The method. A warm pool: each worker is a `python -I` zygote that pre-imported numpy and sympy
-and only forks one child per run on request. The child gets its job and stdin, stdout and
+The method. A warm pool: each worker is a `python -I -S` zygote that pre-imported numpy and
+sympy and only forks one child per run on request. The child gets its job and stdin, stdout and
 stderr as pipes straight from the pool (which does all I/O, deadlines and verdicts), confines
 itself, then exec()s the code: no job data ever enters the zygote that later children copy.
 The child confines itself in this order: its own session, stdin a read-only pipe, no other
-descriptor; [a pids cgroup of MAX_TASKS]; [a private mount namespace, the host read-only, a
-tmpfs of disk_mb as working directory]; rlimits; no_new_privs, [Landlock]; no capabilities, a
-parent-death signal; seccomp BPF (no fork, exec, sockets, ptrace, mounts, inotify, locks, ...).
-The floor runs anywhere; the [layers] where the machine grants them, decided once at start-up
-and said in one line (`require="all"` refuses to start without every one). The pool SIGKILLs a
-run's process group at the deadline, caps stdout and stderr, and takes "ok" only from the
-run's own epilogue (a per-run token on a pipe of its own), never from its exit code alone.
+descriptor; oom_score_adj 1000; [a pids cgroup of MAX_TASKS]; [a private mount namespace, the
+host read-only, a tmpfs of disk_mb as working directory]; rlimits; no_new_privs, [Landlock];
+no capabilities [and a uid of its own per worker, never 0], a parent-death signal; seccomp BPF
+(no fork, exec, sockets, ptrace, mounts, inotify, locks, ...). The floor runs anywhere; the
+[layers] where the machine grants them, decided once at start-up and said in one line. By
+default a pool starts only where a run is another user or Landlock holds the host's files
+(else it refuses, saying why; require="floor" starts anyway, "all" wants every layer). The pool
+SIGKILLs a run's process group at its deadline (the timeout, plus what the run waited for a CPU,
+up to a backstop), caps stdout and stderr, and gives "ok" for exit status 0 with no failure
+reported on the run's fd 3, never for what the run printed.
 
-This file is the front. The machinery is beside it: sandbox_pool.py (the pool `Sandbox`, its
-zygotes, the child and its order, the verdicts; the workers run that file) and confine.py (the
-kernel calls, and what this machine grants). docs/SANDBOX.md says why each layer, what each
+This file is the front. The machinery is beside it: sandbox_pool.py (the pool `Sandbox` and its
+verdicts), sandbox_worker.py (the zygote and the child, which the workers run) and confine.py
+(the kernel calls, and what this machine grants). docs/SANDBOX.md says why each layer, what each
 guards and what is lost without it.
 """
 from __future__ import annotations
@@ -101,12 +104,12 @@ def format_tool_output(result: Result, max_chars: int = 256) -> str:
 # ---------------------------------------------------------------- module-level API
 
 _default, _default_lock = None, threading.Lock()
-_options = {"workers": None, "require": "floor"}
+_options = {"workers": None, "require": "default"}
 
 
-def configure(workers: int | None = None, require: str = "floor") -> None:
+def configure(workers: int | None = None, require: str = "default") -> None:
     """The default pool's options (rl.py and evaluate.py: --sandbox_workers, --sandbox_require),
-    before it starts; workers=None: default_workers()."""
+    before it starts; workers=None: default_workers(); require: see Sandbox."""
     with _default_lock:
         started = _default is not None and not _default._closed
         if started and _options != {"workers": workers, "require": require}:

@@ -33,7 +33,7 @@ def rate(batch, seconds):
 
 
 def main(seconds):
-    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", **sandbox_pool._THREAD_VARS}
+    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", **sandbox_pool.THREAD_VARS}
     with sandbox.Sandbox() as box, concurrent.futures.ThreadPoolExecutor(box.num_workers) as threads:
         started, n = time.monotonic(), box.num_workers
         preimported = box.capabilities()["preimported"]

@@ -19,10 +19,12 @@ def test_harnesses_format_to_python():
         codetests._STDIN_HARNESS.format(prelude=codetests.LCB_PRELUDE, program="print(1)"),
         codetests._CALL_HARNESS.format(source="def f(x):\n    return x", fn_name="f",
                                        inputs="1", marker="@@m@@"),
-        codetests._ASSERT_HARNESS.format(prefix="import math", program="def f(x):\n    return x",
-                                         test="def check(candidate):\n    assert candidate(1) == 1",
-                                         entry_point="f"),
     ]
+    line = codetests._AssertTest("import math", "def f(x):\n    return x",
+                                 "def check(candidate):\n    assert candidate(1) == 1", "f")
+    harnesses.append(line.next_run()[0])
+    line.stage, line.answers = "check", [["[[[1], {}]]", ["value", "[1, []]"]]]
+    harnesses.append(line.next_run()[0])
     for code in harnesses:
         compile(code, "<harness>", "exec")
 
@@ -31,3 +33,50 @@ def test_same_output_follows_livecodebench():
     same = codetests._same_output
     assert same("3\n", "3") and same(" 1 2 \n3.0\n", "1 2\n3")      # stripped; 3.0 == 3
     assert not same("3\n4", "3") and not same("a", "b") and not same("1 2", "1")
+
+
+def test_the_calls_of_a_check_line_are_read_off_its_text():
+    import ast
+
+    def calls(line):
+        function = ast.parse("def check(candidate):" + line).body[0]
+        try:
+            return codetests._calls_of(function, "candidate")
+        except codetests._Dynamic:
+            return None
+    assert calls("    assert candidate(nums = [2,7,11,15], target = 9) == [0,1]") == \
+        ["candidate(nums=[2, 7, 11, 15], target=9)"]                     # never the expected value
+    assert calls("    assert is_same(candidate(make([1, 2])), make([2, 1]))") == ["candidate(make([1, 2]))"]
+    assert calls("    assert candidate(1) == candidate(2)") == ["candidate(1)", "candidate(2)"]
+    for dynamic in ("    assert [candidate(i) for i in range(3)] == [0, 1, 2]",
+                    "    assert candidate(1) == 1 or candidate(2) == 2", "    assert candidate(candidate(1)) == 1",
+                    "    helper(candidate)", "\n    for i in range(2):\n        assert candidate(i)"):
+        assert calls(dynamic) is None, dynamic
+
+
+def test_values_cross_as_data_and_literals_are_compared_here():
+    import ast
+
+    class ListNode:
+        def __init__(self, val, next=None):
+            self.val, self.next = val, next
+    head = None
+    for value in range(3000):                       # deeper than the recursion limit
+        head = ListNode(value, head)
+    cycle = [1]
+    cycle.append(cycle)
+    for value in ([1, (2.5, "x", b"y", 3j, None, True)], {"k": {1, 2}, (1, 2): frozenset({3})}, 2 ** 5000):
+        assert codetests._decode(codetests._encode(value, set()), {}) == value
+    again = codetests._decode(codetests._encode(cycle, set()), {})
+    assert again[1] is again
+    rebuilt = codetests._decode(codetests._encode(head, {"ListNode"}), {"ListNode": ListNode})
+    assert (rebuilt.val, rebuilt.next.val, type(rebuilt)) == (2999, 2998, ListNode)
+    for bad in (lambda: 0, iter([]), object()):
+        try:
+            codetests._encode(bad, set())
+            raise AssertionError(bad)
+        except TypeError:
+            pass
+    check = codetests._literal_check(ast.parse("def check(c):    assert c(1) == [0, 1]").body[0], "c")
+    assert check([0, 1]) and not check((0, 1)) and not check([1, 0])
+    assert codetests._literal_check(ast.parse("def check(c):    assert f(c(1))").body[0], "c") is None

@@ -467,4 +467,4 @@ def test_a_sandbox_that_cannot_start_stops_the_evaluation(monkeypatch):
     with pytest.raises(SystemExit, match="rank 0: sandbox: no seccomp here"):
         evaluate.main(["--model=unused", f"--data={os.path.join(ROOT, 'data', 'fixtures', 'bench4.jsonl')}",
                        "--sandbox_workers=2"])
-    assert told == [(2, "floor")]
+    assert told == [(2, "default")]

@@ -18,6 +18,8 @@ import signal
 import socket
 import subprocess
 import sys
+import sysconfig
+import tempfile
 import time
 
 import pytest
@@ -73,10 +75,14 @@ def describe(pid):
         return "?"
 
 
+POOLS = []                                            # the module's fixtures' pools
+
+
 def known_workers(box):
     pids = set(box.worker_pids())
-    if sandbox._default is not None and not sandbox._default._closed:
-        pids |= set(sandbox._default.worker_pids())
+    for pool in POOLS + [sandbox._default]:
+        if pool is not None and not pool._closed:
+            pids |= set(pool.worker_pids())
     return pids
 
 
@@ -155,6 +161,7 @@ def box():
     pool = Sandbox(workers=2)
     pool.capabilities()
     pool.baseline = baseline
+    POOLS.append(pool)
     yield pool
     pool.close()
     libc.prctl(PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
@@ -171,10 +178,11 @@ def floor():
     """A pool with nothing but the floor, as on a machine that grants no further layer (root here:
     tests/test_sandbox_envs.py has the other users and machines)."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(sandbox_pool, "grants", granted(**NO_LANDLOCK, **NO_MOUNT, **NO_CGROUP))
-        pool = Sandbox(workers=1, preimport=())
+        patch.setattr(sandbox_pool, "grants", granted(**NO_LANDLOCK, **NO_MOUNT, **NO_CGROUP, **NO_UID))
+        pool = Sandbox(workers=1, preimport=(), require="floor")
     pool.baseline = set(descendants(os.getpid()))
     assert pool.wait_ready().endswith("simulated)]") and pool.plan["watch"] == ["disk", "tasks"]
+    POOLS.append(pool)
     yield pool
     pool.close()
 
@@ -216,9 +224,11 @@ NO_LANDLOCK = {"landlock": 0, "landlock_why": "landlock_create_ruleset: EPERM (s
 NO_MOUNT = {"mount_root": {"why": "unshare(CLONE_NEWNS): EPERM (simulated)", "nproc": False},
             "mount_user": {"why": "unshare(CLONE_NEWUSER|CLONE_NEWNS): EPERM (simulated)", "nproc": False}}
 NO_CGROUP = {"cgroup": None, "cgroup_why": "/sys/fs/cgroup/pids is on a read-only mount (simulated)"}
+NO_UID = {"uid": {"why": "setresuid: EPERM (simulated)", "expose": [], "nproc": False}}
 
 
-@pytest.mark.parametrize("refused,layer", [(NO_LANDLOCK, "landlock"), (NO_MOUNT, "mount"), (NO_CGROUP, "tasks")])
+@pytest.mark.parametrize("refused,layer", [(NO_LANDLOCK, "landlock"), (NO_MOUNT, "mount"),
+                                           ({**NO_CGROUP, **NO_UID}, "tasks"), (NO_UID, "uid")])
 def test_a_missing_layer_is_named_and_require_all_stops_the_pool(monkeypatch, refused, layer, capfd):
     monkeypatch.setattr(sandbox_pool, "grants", granted(**refused))
     named = re.escape(sandbox_pool.LAYERS[layer] + " [") + ".*simulated"
@@ -245,13 +255,13 @@ def test_exit_codes_and_statuses(box):
              ("import os; os._exit(7)", "error", 7), ("raise SystemExit('bye')", "error", 1),
              ("1/0", "error", 1), ("import sys; sys.exit(0)", "ok", 0), ("x = (", "error", 1),
              ("raise KeyboardInterrupt", "error", 1), ("import os; os.abort()", "killed", -6),
-             ("import os; os._exit(0)", "error", 0)]     # exit 0, but not through the code's end
+             ("import os; os._exit(0)", "ok", 0)]   # exit status 0 and no failure: a success
     results = box.run_many([c for c, _, _ in cases], timeout=5)
     for (code, status, rc), r in zip(cases, results):
         assert (r.status, r.returncode) == (status, rc), (code, r)
     assert results[0].stdout == "hi\n" and results[3].stderr == "bye\n"
     assert "ZeroDivisionError" in results[4].stderr
-    assert "sandbox_pool.py" not in results[4].stderr      # the bootstrap's frames are hidden
+    assert "sandbox_worker.py" not in results[4].stderr    # the bootstrap's frames are hidden
     assert "SyntaxError" in results[6].stderr
     assert all(r.seconds > 0 for r in results)
 
@@ -1205,8 +1215,10 @@ def test_grading_assert_style_rows(box, monkeypatch):
     codes, submit = [], box.submit
     monkeypatch.setattr(box, "submit", lambda code, *a, **kw: codes.append(code) or submit(code, *a, **kw))
     assert run_tests(correct, LEETCODE_ROW, timeout=5, sandbox=box) == [True, True, True]
-    assert len(codes) == 3 and codes[0].endswith(            # one run per test line, upstream's text
-        "'def check(candidate):    assert candidate(nums = [2,7,11,15], target = 9) == [0,1]', 'Solution().twoSum')\n")
+    # One run of the solution per check line, with the line's call and not its assertion: the
+    # comparison with a literal is made here.
+    assert len(codes) == 3 and "candidate(nums=[2, 7, 11, 15], target=9)" in codes[0]
+    assert not any("assert" in code or "[0,1]" in code or "[1,2]" in code for code in codes)
     always = "class Solution:\n    def twoSum(self, nums, target):\n        return [0, 1]"
     assert run_tests(always, LEETCODE_ROW, timeout=5, sandbox=box) == [True, False, True]
     assert run_tests("class Solution:\n    def twoSum(self", LEETCODE_ROW, sandbox=box) == [False] * 3
@@ -1324,7 +1336,12 @@ def test_a_run_cannot_choose_its_verdict(box):
              ("import os\nos.write(3, b'0' * 17)\nos._exit(0)", "error", 0),    # a guessed epilogue
              ("import sys\nprint('MemoryError', file=sys.stderr)\nsys.exit(1)", "error", 1),
              ("import os, signal\nos.kill(os.getpid(), signal.SIGXCPU)", "killed", -signal.SIGXCPU),
-             ("import sys\nprint('x')\nsys.exit(0)", "ok", 0), ("raise MemoryError", "memory", 1)]
+             ("import sys\nprint('x')\nsys.exit(0)", "ok", 0), ("raise MemoryError", "memory", 1),
+             # code of the run's own after its failure: an exception's __str__, a SystemExit's code
+             ("import os\nclass Crash(Exception):\n    def __str__(self):\n        os._exit(0)\nraise Crash",
+              "error", 0),
+             ("import os\nclass Leave(SystemExit):\n    @property\n    def code(self):\n        os._exit(0)\n"
+              "raise Leave(3)", "error", 3)]
     results = box.run_many([code for code, _, _ in cases], timeout=5)
     assert [(r.status, r.returncode) for r in results] == [(s, rc) for _, s, rc in cases], results
 
@@ -1501,3 +1518,308 @@ def test_the_floor_polls_disk_and_tasks(floor):
     second = floor.run("import os\nprint(sorted(os.listdir('.')))")
     assert first.status == "ok" and second.stdout == "[]\n", (first, second)     # cleared between runs
     assert os.stat("/etc").st_mode & 0o777 == 0o755
+
+
+# ----------------------------------------------------------------------------- reward hacks
+
+def _token_hunt(then):
+    """Code that looks for the old bootstrap's per-run token up its frames, forges the epilogue
+    with it when found, then does `then`."""
+    return ("import os, sys\nframe = sys._getframe()\n"
+            "while frame is not None and 'token' not in frame.f_locals:\n    frame = frame.f_back\n"
+            "if frame is not None:\n    os.write(3, frame.f_locals['token'] + b'0')\n" + then)
+
+
+# Each made a wrong solution pass every assert-style test while the check line ran in the
+# solution's own process (tests/test_sandbox.py's GRADER_HACKS have the older ones).
+ASSERT_HACKS = {
+    "the test line read from the harness's frames":
+        "import sys\nclass Solution:\n    def twoSum(self, nums, target):\n"
+        "        frame = sys._getframe(1)\n        while frame is not None:\n"
+        "            for value in list(frame.f_locals.values()):\n"
+        "                if isinstance(value, str) and value.startswith('def check('):\n"
+        "                    return eval(value.rsplit('==', 1)[1])\n"
+        "            frame = frame.f_back\n        return [9, 9]\n",
+    "the harness's own helper replaced": "import __main__\n"
+        "class Same(list):\n    def __eq__(self, other):\n        return True\n"
+        "__main__._plain = lambda value, classes, seen: value\n"
+        "class Solution:\n    def twoSum(self, nums, target):\n        return Same([9])\n",
+    "builtins.type patched": "import builtins\nreal = builtins.type\n"
+        "class Same(list):\n    def __eq__(self, other):\n        return True\n"
+        "class Fake(type):\n    def __new__(cls, *args):\n"
+        "        return (int if real(args[0]) is Same else real(args[0])) if len(args) == 1 else real(*args)\n"
+        "builtins.type = Fake\n"
+        "class Solution:\n    def twoSum(self, nums, target):\n        return Same([9])\n",
+    "the epilogue forged": _token_hunt("os._exit(0)\n"),
+}
+
+
+@pytest.mark.parametrize("hack", ASSERT_HACKS)
+def test_the_assertion_is_out_of_the_solutions_reach(box, hack):
+    """A wrong solution that reads the test line, replaces the harness's helper, patches a builtin
+    the harness uses or forges the run's epilogue no longer passes: its run holds no assertion,
+    only the line's calls, and its values are compared where it never ran."""
+    more = "    assert sorted(candidate([1, 2], 3)) == sorted([1, 0])\n"
+    row = dict(LEETCODE_ROW, test_code=LEETCODE_ROW["test_code"] + more)
+    assert run_tests(ASSERT_HACKS[hack], row, timeout=5, sandbox=box) == [False] * 4
+
+
+# A stdin program that prints the right answer, then crashes in a way that exits 0.
+CRASHES = {
+    "forged epilogue, fd 3 closed, excepthook": _token_hunt(
+        "try:\n    os.close(3)\nexcept OSError:\n    pass\nsys.excepthook = lambda *a: os._exit(0)\n"
+        "raise ValueError('crash')\n"),
+    "atexit after the crash": "import atexit, os\natexit.register(os._exit, 0)\nraise ValueError('crash')\n",
+    "a thread after the crash": "import os, threading, time\n"
+                                "threading.Thread(target=lambda: (time.sleep(0.3), os._exit(0))).start()\n"
+                                "raise ValueError('crash')\n",
+    "the exception's __str__": "import os\nclass Crash(Exception):\n    def __str__(self):\n"
+                               "        os._exit(0)\nraise Crash()\n",
+    "fd 3 replaced": "import os\ntry:\n    os.dup2(os.open('/dev/null', os.O_WRONLY), 3)\nexcept OSError:\n"
+                     "    pass\nimport sys\nsys.excepthook = lambda *a: os._exit(0)\nraise ValueError\n",
+    "a signal": "import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)\n",
+}
+
+
+@pytest.mark.parametrize("crash", CRASHES)
+def test_the_right_answer_then_a_crash_fails(box, crash):
+    """The verdict comes from the exit status the kernel reports and a failure byte the run's
+    bootstrap writes before any code of the run's own runs again, on a descriptor the run cannot
+    close or replace; no token the run could read from its memory."""
+    program = "print(3, flush=True)\n" + CRASHES[crash]
+    tests = {"fn_name": None, "cases": [{"input": "", "output": "3"}]}
+    assert run_tests(program, tests, timeout=5, sandbox=box) == [False]
+    assert run_tests("print(3)", tests, timeout=5, sandbox=box) == [True]
+
+
+def test_an_exit_with_status_0_is_a_success(box):
+    """What the kernel reports decides: a program that prints its answer and leaves with exit
+    status 0 (os._exit(0)) succeeded, as it would for any other runner; a guessed or forged
+    "ok" on fd 3 only makes a run fail."""
+    tests = {"fn_name": None, "cases": [{"input": "", "output": "3"}]}
+    assert run_tests("import os\nprint(3, flush=True)\nos._exit(0)", tests, timeout=5, sandbox=box) == [True]
+    r = box.run("import os\nprint(3, flush=True)\nos.write(3, b'0' * 17)\nos._exit(0)")
+    assert (r.status, r.returncode, r.stdout) == ("error", 0, "3\n"), r
+
+
+# ----------------------------------------------------------------------------- a run is another user
+
+@pytest.fixture(scope="module")
+def another_user():
+    """A pool whose runs have a uid of their own and no layer beyond the floor but that (no
+    Landlock, mount namespace or pids cgroup), as root on a kernel without Landlock or in Docker
+    under a runtime that refuses it; the owner's environment holds credentials."""
+    with pytest.MonkeyPatch.context() as patch:
+        for name in ("HF_TOKEN", "WANDB_API_KEY", "AWS_SECRET_ACCESS_KEY", "GITHUB_TOKEN", "MY_SECRET"):
+            patch.setenv(name, SECRET)
+        patch.setattr(sandbox_pool, "grants", granted(**NO_LANDLOCK, **NO_MOUNT, **NO_CGROUP))
+        pool = Sandbox(workers=1, preimport=())
+        pool.wait_ready()
+    if "uid" in pool.off:
+        pool.close()
+        pytest.skip(f"no uid of its own for a run here: {pool.off['uid']}")
+    pool.baseline = set(descendants(os.getpid()))
+    POOLS.append(pool)
+    yield pool
+    pool.close()
+
+
+def test_a_run_is_another_user(another_user, tmp_path):
+    """Where the pool can (root, CAP_SETUID), a run has a uid of its own, never 0: nothing of the
+    owner's that only its uid may read or write, no way into its /proc/<pid> (not even its command
+    line, where the worker may mount a /proc of the runs' own processes), no kernel knob
+    (/proc/sys) or cgroup file root owns, no inode flags on host files."""
+    public = tempfile.mkdtemp()                      # a directory others may enter
+    os.chmod(public, 0o755)
+    secret, host = os.path.join(public, "token"), os.path.join(public, "host.txt")
+    for path, mode in ((secret, 0o600), (host, 0o644)):
+        with open(os.open(path, os.O_WRONLY | os.O_CREAT, mode), "w") as f:
+            f.write(SECRET)
+    purelib = sysconfig.get_paths()["purelib"]
+    code = f"""
+import ctypes, fcntl, os, struct
+libc = ctypes.CDLL(None, use_errno=True)
+owner = {os.getpid()}
+attempts = {{}}
+def attempt(name, action):
+    try:
+        action()
+        attempts[name] = "DONE"
+    except OSError:
+        attempts[name] = "blocked"
+def same_value(path):
+    value = open(path).read()
+    open(path, "w").write(value)
+def set_flags(path):
+    fd = os.open(path, os.O_RDONLY)
+    fcntl.ioctl(fd, 0x40086602, struct.pack("l", 0x40))      # FS_IOC_SETFLAGS: nodump
+def visible(pid):
+    if str(pid) not in os.listdir("/proc"):
+        raise FileNotFoundError(pid)
+attempt("read a 0600 file", lambda: open({secret!r}).read())
+attempt("see the owner in /proc", lambda: visible(owner))
+attempt("owner's command line", lambda: open(f"/proc/{{owner}}/cmdline", "rb").read())
+attempt("owner's environ", lambda: open(f"/proc/{{owner}}/environ", "rb").read())
+attempt("owner's memory", lambda: open(f"/proc/{{owner}}/mem", "rb"))
+attempt("owner's oom score", lambda: open(f"/proc/{{owner}}/oom_score_adj", "w").write("1000"))
+attempt("lower its own oom score", lambda: open("/proc/self/oom_score_adj", "w").write("0"))
+def writable(path):                  # asked, not tried: nothing is left in the installation
+    if not os.access(path, os.W_OK):
+        raise PermissionError(path)
+attempt("write site-packages", lambda: writable({purelib!r}))
+attempt("write the project", lambda: writable({PROJECT!r}))
+attempt("write out_dir", lambda: open(os.path.join({public!r}, "metrics.jsonl"), "a"))
+attempt("write /proc/sys", lambda: same_value("/proc/sys/kernel/core_pattern"))
+attempt("leave its cgroup", lambda: open("/sys/fs/cgroup/pids/cgroup.procs", "w").write(str(os.getpid())))
+attempt("chattr a host file", lambda: set_flags({host!r}))
+print(attempts)
+print([os.getuid(), os.getgid(), os.getgroups(), libc.prctl(4, 1, 0, 0, 0)])
+"""
+    try:
+        r, _ = attack(another_user, code, timeout=5)
+    finally:
+        shutil.rmtree(public)
+    attempts = eval(r.stdout.splitlines()[0])
+    assert attempts and [k for k, v in attempts.items() if v != "blocked"] == [], attempts
+    uid, gid, groups, dumpable = eval(r.stdout.splitlines()[1])
+    assert uid == gid == getattr(another_user, "uids", [None])[0] >= 1 << 30, r.stdout
+    assert groups == [] and dumpable == -1, r.stdout                # PR_SET_DUMPABLE refused
+
+
+def test_a_runs_oom_score_is_the_highest_and_out_of_its_reach(another_user, box):
+    """Each run is the OOM killer's first choice (oom_score_adj 1000, set before it drops its
+    privileges), and cannot lower it."""
+    for pool in (another_user, box):
+        future = pool.submit("import time\ntime.sleep(30)", timeout=30)
+        wait_for_a_run(pool, asleep=True)
+        runs = [child for pid in pool.worker_pids() for child in descendants(pid)]
+        scores = {open(f"/proc/{pid}/oom_score_adj").read().strip() for pid in runs}
+        for pid in pool.worker_pids():
+            for child in descendants(pid):
+                os.kill(child, signal.SIGKILL)
+        future.result()
+        assert scores == {"1000"}, scores
+
+
+def test_the_owner_is_not_dumpable_and_runs_get_no_credentials(another_user):
+    """The pool's owner makes itself not dumpable (its /proc files are root's, no process of its
+    uid reads its memory or environ), and a run's environment is a fixed list: no token, key or
+    secret of the owner's."""
+    assert libc.prctl(3, 0, 0, 0, 0) == 0                            # PR_GET_DUMPABLE
+    r = another_user.run("import os\nprint(sorted(os.environ))")
+    names = eval(r.stdout)
+    assert not [n for n in names if "TOKEN" in n or "KEY" in n or "SECRET" in n or n.startswith("AWS")], names
+    assert SECRET not in r.stdout
+    for pid in another_user.worker_pids():
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            assert SECRET.encode() not in f.read()
+
+
+def test_workers_start_without_site(box):
+    """Workers run `python -I -S`: no .pth file of any site-packages directory runs in them; the
+    installation's site-packages are on sys.path all the same, and exit() and quit() are there."""
+    r = box.run("import sys, numpy\nprint(sys.flags.no_site, sys.flags.isolated)\nexit(0)")
+    assert (r.status, r.stdout) == ("ok", "1 1\n"), r
+    for pid in box.worker_pids():
+        assert b"\0-S\0" in open(f"/proc/{pid}/cmdline", "rb").read()
+
+
+def test_without_a_uid_of_its_own_or_landlock_the_default_refuses(monkeypatch):
+    """A plain non-root user with no layer: the default refuses to start, in one line saying what
+    is missing and what require="floor" gives up; require="floor" starts."""
+    monkeypatch.setattr(sandbox_pool, "grants", granted(**NO_UID, **NO_LANDLOCK))
+    with pytest.raises(RuntimeError) as refusal:
+        Sandbox(workers=1, preimport=())
+    line = str(refusal.value)
+    assert "\n" not in line and "no uid of its own [setresuid: EPERM (simulated)]" in line
+    assert "no Landlock [landlock_create_ruleset: EPERM (simulated)]" in line
+    assert "--sandbox_require=floor starts anyway and gives that up" in line
+    with Sandbox(workers=1, preimport=(), require="floor") as pool:
+        assert pool.run("print(1)").stdout == "1\n"
+
+
+# ----------------------------------------------------------------------------- disk, cleanup, time, tasks
+
+def test_disk_the_kernel_does_not_count_is_refused_or_watched(floor):
+    """Without a tmpfs: O_TMPFILE and fallocate (whose blocks no file size counts) are refused, and
+    files the run unlinked while it holds them open count against its disk quota."""
+    code = ("import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\nout = []\n"
+            "try:\n    os.open('.', os.O_TMPFILE | os.O_WRONLY, 0o600)\n    out.append('TMPFILE')\n"
+            "except OSError as exc:\n    out.append(exc.errno)\n"
+            "fd = os.open('f', os.O_CREAT | os.O_WRONLY)\n"
+            "out.append(libc.fallocate(fd, 1, ctypes.c_long(0), ctypes.c_long(256 << 20)) or 'FALLOCATED')\n"
+            "print(out, ctypes.get_errno(), flush=True)\n")
+    r, _ = attack(floor, code, timeout=5, disk_mb=16)
+    assert r.stdout == f"[{errno.EOPNOTSUPP}, -1] {errno.EOPNOTSUPP}\n", r
+    hidden = ("import os, time\nkept = []\nfor i in range(6):\n    fd = os.open(f'u{i}', os.O_CREAT | os.O_RDWR)\n"
+              "    os.unlink(f'u{i}')\n    os.write(fd, b'x' * (15 << 20))\n    kept.append(fd)\n"
+              "print('written', flush=True)\ntime.sleep(10)")
+    r, _ = attack(floor, hidden, timeout=8, disk_mb=16)
+    assert r.status == "killed" and "MiB on disk, over" in r.stderr, r
+
+
+def test_files_left_in_shared_directories_go_with_the_run(another_user):
+    """Where nothing stops a run writing /tmp or /dev/shm, what its uid left there is removed."""
+    token = secrets.token_hex(6)
+    paths = [f"/dev/shm/sandbox-left-{token}", f"/tmp/sandbox-left-{token}", f"/tmp/sandbox-dir-{token}"]
+    code = (f"import os\nfor p in {paths[:2]!r}:\n    open(p, 'w').write('x')\n"
+            f"os.makedirs({paths[2]!r} + '/a/b')\nopen({paths[2]!r} + '/a/b/c', 'w').write('x')\nprint('left')")
+    try:
+        r, _ = attack(another_user, code, timeout=5)
+        assert r.stdout == "left\n" and not [p for p in paths if os.path.exists(p)], r
+    finally:
+        for path in paths:
+            shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else \
+                os.path.exists(path) and os.unlink(path)
+
+
+def test_a_deep_directory_is_cleaned_up(floor):
+    """A directory chain deeper than Python's recursion limit made the zygote's cleanup raise
+    RecursionError: the run was reported killed, the pool failed every later job and close()
+    raised. The cleanup walks without recursion now."""
+    workers = sorted(floor.worker_pids())
+    code = "import os\nfor _ in range(1500):\n    os.mkdir('d')\n    os.chdir('d')\nprint('deep')"
+    r = floor.run(code, timeout=10)
+    assert (r.status, r.stdout) == ("ok", "deep\n"), r
+    assert sorted(floor.worker_pids()) == workers
+    assert floor.run("import os\nprint(os.listdir('.'))").stdout == "[]\n"
+    with Sandbox(workers=1, preimport=(), require="floor") as pool:    # and close() with a chain left
+        assert pool.run(code, timeout=10).stdout == "deep\n"
+        fd = os.open(pool.root, os.O_RDONLY)
+        for _ in range(1200):
+            os.mkdir("x", dir_fd=fd)
+            fd, parent = os.open("x", os.O_RDONLY, dir_fd=fd), fd
+            os.close(parent)
+        os.close(fd)
+        root = pool.root
+    assert not os.path.exists(root)
+
+
+def test_a_siblings_contention_does_not_make_a_timeout(box):
+    """Two runs on one CPU (as when a sibling's threads or the host take the cores): the one that
+    needs 0.7 s of CPU within a 1 s timeout gets it, because the time it waited for the CPU does
+    not count against it (up to a backstop of the wall clock)."""
+    wait_ready(box)
+    every = os.sched_getaffinity(0)
+    for pid in box.worker_pids():
+        os.sched_setaffinity(pid, {min(every)})
+    try:
+        hog = "import time\nt = time.time()\nwhile time.time() - t < 1.5:\n    pass\nprint('hog')"
+        work = "import time\nwhile time.process_time() < 0.7:\n    pass\nprint('done')"
+        hogged, done = box.run_many([hog, work], timeout=1.0)
+    finally:
+        for pid in box.worker_pids():
+            os.sched_setaffinity(pid, every)
+    assert (done.status, done.stdout) == ("ok", "done\n") and done.seconds > 1.0, done
+    alone = box.run("import time\ntime.sleep(5)", timeout=1.0)      # waiting on nothing: on time
+    assert alone.status == "timeout" and alone.seconds < 2, alone
+
+
+def test_a_thread_storm_meets_the_bound_of_the_runs_uid(another_user):
+    """With no pids cgroup, RLIMIT_NPROC of the run's own uid bounds its tasks in the kernel: no
+    thread storm gets past MAX_TASKS between two looks."""
+    code = ("import threading\nthreading.stack_size(1 << 16)\nevent, started = threading.Event(), 0\n"
+            "try:\n    for _ in range(2000):\n        threading.Thread(target=event.wait, daemon=True).start()\n"
+            "        started += 1\nexcept RuntimeError:\n    pass\nevent.set()\nprint(started)")
+    r, _ = attack(another_user, code, timeout=10)
+    assert r.status == "ok" and int(r.stdout) == sandbox_pool.MAX_TASKS - 1, r

@@ -28,24 +28,35 @@ OLD_RUNTIME_REFUSES = DOCKER_REFUSES + ["pidfd_open", "pidfd_send_signal", "pidf
                                         "landlock_add_rule", "landlock_restrict_self"]
 LANDLOCK_NR = {"landlock_create_ruleset": 444, "landlock_add_rule": 445, "landlock_restrict_self": 446}
 
+# A kernel from before Landlock and mount_setattr (RHEL 8's 4.18, Ubuntu 20.04's 5.4).
+OLD_KERNEL_REFUSES = ["mount_setattr", "landlock_create_ruleset", "landlock_add_rule", "landlock_restrict_self"]
+
 # name: (what it stands for, launcher settings, layers expected not in force, words the reasons must hold)
+# "expose": the Python installation where any uid reads it, as container images keep it (/usr/local).
+# Without a uid of the run's own nor Landlock the default refuses to start: require=floor starts it.
 ENVIRONMENTS = {
     "root": ("root on a VM or bare metal with a writable pids cgroup", {}, set(), []),
     "non-root": ("any non-root user (Slurm, Apptainer/Singularity) where user namespaces are allowed",
-                 {"uid": NOBODY}, set(), []),
+                 {"uid": NOBODY}, {"uid"}, ["lacks CAP_SETUID"]),
     "docker": ("Docker with its default capabilities and seccomp profile; Kubernetes pods (RuntimeDefault)",
-               {"cgroup_ro": True, "caps": DOCKER_CAPS, "refuse": DOCKER_REFUSES}, {"mount", "tasks"},
-               ["refused by a seccomp filter", "lacks CAP_SYS_ADMIN", "read-only mount"]),
+               {"cgroup_ro": True, "caps": DOCKER_CAPS, "refuse": DOCKER_REFUSES, "expose": True}, {"mount"},
+               ["refused by a seccomp filter", "lacks CAP_SYS_ADMIN"]),
     "docker-user": ("`docker --user`, Kubernetes runAsNonRoot: a non-root uid under Docker's profile",
-                    {"uid": NOBODY, "refuse": DOCKER_REFUSES}, {"mount", "tasks"},
+                    {"uid": NOBODY, "refuse": DOCKER_REFUSES}, {"uid", "mount", "tasks"},
                     ["refused by a seccomp filter", "not writable by uid 65534"]),
     "old-runtime": ("a runtime whose seccomp profile also refuses landlock_* and pidfd_open",
-                    {"cgroup_ro": True, "caps": DOCKER_CAPS, "refuse": OLD_RUNTIME_REFUSES},
-                    {"landlock", "mount", "tasks"}, ["landlock_create_ruleset: EPERM", "refused by a seccomp filter"]),
-    "old-runtime-user": ("the same as a non-root uid: the floor alone", {"uid": NOBODY, "refuse": OLD_RUNTIME_REFUSES},
-                         {"landlock", "mount", "tasks"}, ["landlock_create_ruleset: EPERM"]),
+                    {"cgroup_ro": True, "caps": DOCKER_CAPS, "refuse": OLD_RUNTIME_REFUSES, "expose": True},
+                    {"landlock", "mount"}, ["landlock_create_ruleset: EPERM", "refused by a seccomp filter"]),
+    "old-runtime-user": ("the same as a non-root uid: the floor alone, refused by default",
+                         {"uid": NOBODY, "refuse": OLD_RUNTIME_REFUSES}, {"uid", "landlock", "mount", "tasks"},
+                         ["landlock_create_ruleset: EPERM"]),
+    "old-kernel": ("root on a kernel without Landlock or mount_setattr", {"refuse": OLD_KERNEL_REFUSES},
+                   {"landlock", "mount"}, ["mount_setattr: EPERM"]),
+    "old-kernel-user": ("a non-root (HPC) user on such a kernel: the floor alone, refused by default",
+                        {"uid": NOBODY, "refuse": OLD_KERNEL_REFUSES}, {"uid", "landlock", "mount", "tasks"},
+                        ["lacks CAP_SETUID"]),
     "rootless": ("a rootless user namespace (`unshare -Ur`, enroot, `--fakeroot`)",
-                 {"uid": NOBODY, "userns": True}, set(), []),
+                 {"uid": NOBODY, "userns": True}, {"uid"}, ["setgroups is denied"]),
     "landlock-3": ("Landlock ABI 1-3 (Ubuntu 22.04-era kernels): ABI 3 simulated", {"landlock_abi": 3}, set(), []),
 }
 
@@ -70,10 +81,25 @@ CHECKS = {
                  "except OSError:\n    print('refused')",
     "leave files": "import os\nos.mkdir('closed', 0)\nos.mkdir('d')\nopen('d/f', 'w').write('x')\nprint('ok')",
     "next run": "import os\nprint('ok' if os.listdir('.') == [] else os.listdir('.'))",   # the same worker
+    # What the pool's owner has: a file only it may read, its environ, its OOM score; credentials in
+    # its environment (OWNER and SECRET are filled in by CHECK_SCRIPT).
+    "whoami": "import os\nprint(os.getuid())",
+    "owner file": "try:\n    print(open(SECRET).read())\nexcept OSError:\n    print('refused')",
+    "owner environ": "try:\n    open(f'/proc/{OWNER}/environ', 'rb').read()\n    print('READ')\n"
+                     "except OSError:\n    print('refused')",
+    "owner cmdline": "try:\n    open(f'/proc/{OWNER}/cmdline', 'rb').read()\n    print('READ')\n"
+                     "except OSError:\n    print('refused')",
+    "owner oom": "try:\n    open(f'/proc/{OWNER}/oom_score_adj', 'w').write('1000')\n    print('WROTE')\n"
+                 "except OSError:\n    print('refused')",
+    "own oom": "try:\n    open('/proc/self/oom_score_adj', 'w').write('0')\n    print('LOWERED')\n"
+               "except OSError:\n    print('refused')",
+    "credentials": "import os\nprint(sorted(k for k in os.environ if 'TOKEN' in k or 'KEY' in k or 'AWS' in k))",
+    "shm": "try:\n    open(f'/dev/shm/sandbox-left-{OWNER}', 'w').write('x')\n    print('wrote')\n"
+           "except OSError:\n    print('refused')",
 }
 
 CHECK_SCRIPT = f"""
-import json, os, sys
+import json, os, sys, tempfile
 sys.path.insert(0, {PROJECT!r})
 import sandbox, sandbox_pool
 spec, checks = json.loads(sys.argv[1]), json.loads(sys.argv[2])
@@ -81,11 +107,24 @@ if spec.get("landlock_abi"):
     granted = sandbox_pool.grants()
     found = dict(granted, landlock=min(spec["landlock_abi"], granted["landlock"]))
     sandbox_pool.grants = lambda: found
-with sandbox.Sandbox(workers=1, preimport=()) as pool:
+os.environ.update(HF_TOKEN="hf_x", WANDB_API_KEY="w", AWS_SECRET_ACCESS_KEY="a", MY_TOKEN="t")
+secret = os.path.join(tempfile.mkdtemp(), "token")
+with open(os.open(secret, os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
+    f.write("TRAINER-SECRET")
+prelude = f"OWNER, SECRET = {{os.getpid()}}, {{secret!r}}\\n"
+try:
+    pool, refused = sandbox.Sandbox(workers=1, preimport=()), None
+except RuntimeError as exc:         # the default needs a uid of the run's own or Landlock
+    pool, refused = sandbox.Sandbox(workers=1, preimport=(), require="floor"), str(exc)
+with pool:
     line = pool.wait_ready()
-    results = pool.run_many(list(checks.values()), timeout=3, disk_mb=16)
-    print(json.dumps({{"line": line, "off": pool.off, "uid": os.getuid(), "results": {{
-        name: [r.status, r.stdout.strip(), r.stderr.strip()[-200:]] for name, r in zip(checks, results)}}}}))
+    results = pool.run_many([prelude + code for code in checks.values()], timeout=3, disk_mb=16)
+    left = os.path.exists(f"/dev/shm/sandbox-left-{{os.getpid()}}")
+    if left:
+        os.unlink(f"/dev/shm/sandbox-left-{{os.getpid()}}")
+    print(json.dumps({{"line": line, "off": pool.off, "uid": os.getuid(), "refused": refused, "shm_left": left,
+                      "results": {{name: [r.status, r.stdout.strip(), r.stderr.strip()[-200:]]
+                                  for name, r in zip(checks, results)}}}}))
 """
 
 
@@ -128,15 +167,16 @@ def expose_python():
 def launch(spec, argv):
     """As root: change what this process may do as `spec` says, then exec `argv`."""
     libc = ctypes.CDLL(None, use_errno=True)
-    if spec.get("cgroup_ro") or spec.get("uid"):
+    if spec.get("cgroup_ro") or spec.get("uid") or spec.get("expose"):
         _check(libc.unshare(0x00020000), "unshare(CLONE_NEWNS)")
         _check(libc.mount(None, b"/", None, 0x4000 | 0x40000, None), "make / private")       # MS_REC|MS_PRIVATE
     if spec.get("cgroup_ro"):
         attr = ctypes.create_string_buffer(bytes([1]) + bytes(31), 32)                       # MOUNT_ATTR_RDONLY
         confine._syscall(confine._SYSCALLS[confine.ARCH]["mount_setattr"], -100,
                          ctypes.create_string_buffer(b"/sys/fs/cgroup"), 0x8000, attr, 32, what="mount_setattr")
-    if spec.get("uid"):
+    if spec.get("uid") or spec.get("expose"):
         expose_python()
+    if spec.get("uid"):
         os.setgroups([])
         os.setresgid(spec["uid"], spec["uid"], spec["uid"])
         os.setresuid(spec["uid"], spec["uid"], spec["uid"])
@@ -185,12 +225,33 @@ def test_the_sandbox_starts_and_says_what_is_in_force(name):
     if spec.get("uid") and not spec.get("userns"):
         assert found["uid"] == spec["uid"]
     results = found["results"]
-    for check in set(CHECKS) - {"verdict", "host file", "disk", "threads"}:
-        assert results[check][:2] == ["ok", "ok"], (check, results[check])
+    default_refuses = {"uid", "landlock"} <= expected_off
+    assert (found["refused"] is not None) == default_refuses, found["refused"]
+    if default_refuses:      # one line: what is missing, and what require=floor gives up
+        assert "\n" not in found["refused"] and "--sandbox_require=floor starts anyway" in found["refused"]
+        assert "no uid of its own [" in found["refused"] and "no Landlock [" in found["refused"]
+    for check in set(CHECKS) - {"verdict", "host file", "disk", "threads", "whoami", "owner file",
+                                "credentials", "shm", "owner cmdline"}:
+        assert results[check][:2] == ["ok", "ok" if check in ("fork", "socket", "signal", "inotify", "flock",
+                                                              "utime", "leave files", "next run") else "refused"], \
+            (check, results[check])
     assert results["verdict"][0] == "error", results["verdict"]
     assert results["disk"][1] == "ok" or "MiB on disk, over" in results["disk"][2], results["disk"]
     assert results["threads"][1] == "ok" or "tasks, over its 256" in results["threads"][2], results["threads"]
     assert results["host file"][1] == ("READ" if "landlock" in expected_off else "refused"), results["host file"]
+    assert results["credentials"][1] == "[]", results["credentials"]
+    run_uid = int(results["whoami"][1])
+    print(f"    a run's uid: {run_uid}" + " (of its own)" * ("uid" not in expected_off))
+    if "uid" in expected_off:
+        assert run_uid == found["uid"]
+    else:                    # a uid of its own: never 0, nor the owner's
+        assert run_uid >= 1 << 30 and run_uid != found["uid"]
+    boundary = not {"uid", "landlock"} <= expected_off
+    assert results["owner file"][1] == ("refused" if boundary else "TRAINER-SECRET"), results["owner file"]
+    assert results["shm"][1] == ("refused" if {"landlock", "mount"} - expected_off else "wrote"), results["shm"]
+    assert found["shm_left"] == (not boundary), found["shm_left"]     # a uid of its own: removed after the run
+    hidden = "landlock" not in expected_off or "/proc shows it only its own processes" in found["line"]
+    assert results["owner cmdline"][1] == ("refused" if hidden else "READ"), results["owner cmdline"]
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--launch"]:

@@ -1,0 +1,449 @@
+"""sandbox_worker.py: what runs in a sandbox worker: the zygote, and the child it forks per run.
+
+The pool (sandbox_pool.Sandbox) starts each worker as `python -I -S sandbox_worker.py --worker
+CONFIG`: isolated and without `site`, so no .pth file of any site-packages directory runs; the
+installation's site-packages directories come in CONFIG. The pieces, in the order a run meets them:
+- _zygote_main: the worker. In a mount namespace of its own where it may, it opens the Python
+  installation to the runs' uid if a closed directory hides it and shows them a /proc of their
+  own processes only; it pre-imports, then forks one child per
+  "fork" request, which carries four pipe ends and the run's disk limit (no job data), polls what
+  the kernel does not bound for it (_overdrawn), and reports the child's exit status.
+- _child: confines the forked child in the fixed order, then _run_user_code runs the code like
+  `python -c` and, if it failed, says so on fd 3 before anything of the run's own runs again.
+- _walk: counts or removes a directory tree without recursion, one descriptor at a time.
+This file imports confine and the standard library only; sandbox_pool imports it, never the
+other way round.
+"""
+from __future__ import annotations
+
+import atexit
+import builtins
+import contextlib
+import errno
+import gc
+import io
+import json
+import linecache
+import math
+import mmap
+import os
+import resource
+import select
+import signal
+import socket
+import stat
+import sys
+import threading
+import time
+import traceback
+import types
+
+if __name__ == "__main__":  # a worker runs under `python -I`: no script directory on sys.path
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import confine
+from confine import (MAX_FILES, PR_SET_CHILD_SUBREAPER, PR_SET_DUMPABLE, PR_SET_NO_NEW_PRIVS,
+                     PR_SET_PDEATHSIG, Landlock, drop_capabilities, enter_mount_namespace,
+                     install_seccomp, prctl, readable_paths, seccomp_filter, set_oom_score)
+
+THIS_FILE = os.path.abspath(__file__)     # what the workers run, whatever the cwd later
+MAX_TASKS = 256                    # tasks per run, the main thread included
+MAX_OPEN_FILES = 256
+# Queued signals: a quota each uid shares with the host (RLIMIT_SIGPENDING).
+MAX_SIGNALS = 64
+# Seconds between two looks at a run whose disk or tasks the kernel does not bound.
+WATCH = 0.1
+OOM_SCORE = 1000                   # every run is the OOM killer's first choice
+PREIMPORT = ("numpy", "numpy.random", "sympy")   # imported once per worker, if installed
+# Cheap stdlib modules model code (and the graders' prelude) use all the time.
+WARM_STDLIB = ("math cmath fractions decimal itertools functools collections heapq bisect random "
+               "statistics string re json typing datetime copy operator dataclasses enum").split()
+# Libraries load submodules lazily on first use (sympy's printers and solvers, numpy's
+# linalg); doing it once in the worker spares every run that cost.
+WARMUP = {
+    "numpy": "import numpy as np\n"
+             "np.linalg.det(np.eye(3)); np.linalg.solve(np.eye(2), np.ones(2))\n"
+             "str(np.arange(3)); np.random.default_rng(0).random(2)",
+    "sympy": "import sympy as sp\nx = sp.Symbol('x')\nstr(sp.expand((x + 1) ** 3))\n"
+             "sp.solve(x ** 2 - 1, x); sp.factor(x ** 2 - 1)\n"
+             "sp.simplify(sp.sin(x) ** 2 + sp.cos(x) ** 2)\n"
+             "str(sp.integrate(x * sp.sin(x), x)); sp.diff(sp.exp(x), x); sp.Rational(1, 3) + 1\n"
+             "sp.latex(x ** 2); sp.N(sp.pi, 10); sp.Matrix([[1, 2], [3, 4]]).det()"}
+THREAD_VARS = {name: "1" for name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS",
+                                      "MKL_NUM_THREADS", "NUMEXPR_NUM_THREADS",
+                                      "VECLIB_MAXIMUM_THREADS", "BLIS_NUM_THREADS")}
+# Where any uid may write when no Landlock and no mount namespace stop it: what a run's uid left
+# there is removed after the run.
+SHARED_DIRS = ("/tmp", "/var/tmp", "/dev/shm")
+_KEEP_ALIVE = []                   # the zygote's stdio and __main__: never finalized in a child
+_SETUP_FAILED = 125                # exit code of a child that could not confine itself
+_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+# ---------------------------------------------------------------- the child: confine, then run
+
+def _read_exactly(fd: int, size: int) -> bytes:
+    data = b""
+    while len(data) < size and (chunk := os.read(fd, size - len(data))):
+        data += chunk
+    return data
+
+
+def _child(zygote: dict, fds: list, address_space: int) -> None:
+    """In a freshly forked child: every layer in the fixed order, or exit 125 saying which."""
+    step, plan, uid = "descriptors", zygote["plan"], zygote["uid"]
+    try:
+        signal.set_wakeup_fd(-1)               # the zygote's, not ours
+        os.setsid()
+        for fd, target in zip(fds, (0, 1, 2, 3)):
+            os.dup2(fd, target)
+        keep = sorted(zygote["landlock"].fds if zygote["landlock"] else [])
+        for low, high in zip([3] + keep, keep + [1 << 16]):   # close all but those
+            os.closerange(low + 1, high)
+        # stdin starts with the job: its length in 12 digits, then its JSON
+        job = json.loads(_read_exactly(0, int(_read_exactly(0, 12))))
+        step = "oom score"
+        set_oom_score(OOM_SCORE)
+        step = "mount namespace"
+        if plan["mount"]:
+            enter_mount_namespace(zygote["dir"], job["disk_mb"], plan["mount"] == "user", uid)
+        else:
+            os.chdir(zygote["dir"])
+        step = "rlimits"
+        memory = address_space + job["memory_mb"] * 2 ** 20   # on top of the warm interpreter
+        cpu = math.ceil(job["timeout"]) + 1
+        disk = int(job["disk_mb"] * 2 ** 20)
+        # NPROC counts this run alone: its uid's, or its user namespace's.
+        nproc = (("NPROC", MAX_TASKS, MAX_TASKS),) * plan["nproc"]
+        # The CPU limit sends SIGXCPU at the soft one, SIGKILL a second later at the hard one.
+        limits = (("AS", memory, memory), ("CPU", cpu, cpu + 1), ("FSIZE", disk, disk),
+                  ("NOFILE", MAX_OPEN_FILES, MAX_OPEN_FILES), ("CORE", 0, 0),
+                  ("MSGQUEUE", 0, 0), ("SIGPENDING", MAX_SIGNALS, MAX_SIGNALS)) + nproc
+        for which, soft, hard in limits:
+            resource.setrlimit(getattr(resource, "RLIMIT_" + which), (soft, hard))
+        step = "no_new_privs"
+        prctl(PR_SET_NO_NEW_PRIVS, 1)
+        step = "landlock"
+        if zygote["landlock"]:
+            zygote["landlock"].install()
+        step = "capabilities" + (f" and uid {uid}" if uid is not None else "")
+        drop_capabilities(zygote["cap_last"], uid)
+        prctl(PR_SET_DUMPABLE, 0)              # a uid change made it fs.suid_dumpable's
+        step = "parent-death signal"
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != zygote["pid"]:
+            raise RuntimeError("the worker died")
+        step = "seccomp"
+        install_seccomp(zygote["seccomp"], os.getpid())
+        if "numpy.random" in sys.modules:      # else every run of a worker draws the same
+            sys.modules["numpy.random"].seed(int.from_bytes(os.urandom(4), "little"))
+    except BaseException as exc:
+        os.write(2, f"sandbox: could not confine the run ({step}): {exc!r}\n".encode())
+        os._exit(_SETUP_FAILED)
+    try:
+        _run_user_code(job.pop("code"))
+    finally:
+        os._exit(_SETUP_FAILED)
+
+
+def _run_user_code(source: str) -> None:
+    """Behave like `python -c source` in a fresh interpreter, then exit. If the code failed (an
+    exception, or SystemExit with a status other than 0), the first thing done after it is to
+    write M (a MemoryError) or E on fd 3, which the run can neither close nor replace, with
+    what was taken before the code ran (so nothing the code patched, and none of its code: not
+    its excepthook, atexit handlers or threads, not an exception's __str__ or __class__); the
+    pool grades any run with a byte there a failure, whatever its exit status."""
+    write, exit_now, kind, subclass, int_and = os.write, os._exit, type, issubclass, int.__and__
+    exit_code, os_errno, no_memory = SystemExit.code.__get__, OSError.errno.__get__, errno.ENOMEM
+    Exit, Base, Memory, OSErr, Int = SystemExit, BaseException, MemoryError, OSError, int
+    # Address space set aside (untouched, so free) and given back on MemoryError, so the
+    # traceback can be printed under the limit.
+    reserve = mmap.mmap(-1, 4 << 20)
+    sys.argv, sys.dont_write_bytecode = ["-c"], True
+    sys.path.insert(0, "")
+    _KEEP_ALIVE.append((sys.modules.get("__main__"), sys.stdin, sys.stdout, sys.stderr))
+    main = sys.modules["__main__"] = types.ModuleType("__main__")
+    main.__dict__["__builtins__"] = builtins
+    sys.stdin = sys.__stdin__ = open(0, "r", encoding="utf-8", closefd=False)
+    sys.stdout = sys.__stdout__ = open(1, "w", encoding="utf-8", closefd=False)
+    sys.stderr = sys.__stderr__ = io.TextIOWrapper(open(2, "wb", closefd=False), encoding="utf-8",
+                                                   errors="backslashreplace", line_buffering=True)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for name in ("SIGTERM", "SIGHUP", "SIGQUIT", "SIGCHLD", "SIGALRM", "SIGUSR1", "SIGUSR2"):
+        signal.signal(getattr(signal, name), signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_SETMASK, [])
+    linecache.cache["<string>"] = (len(source), None, source.splitlines(True), "<string>")
+    status, error, failed, message = 0, None, None, None
+    try:   # dont_inherit: not this file's `from __future__ import annotations`
+        exec(compile(source, "<string>", "exec", dont_inherit=True), main.__dict__)
+    except Exit as exc:
+        code = exit_code(exc)
+        status = 0 if code is None else int_and(code, 0xFF) if subclass(kind(code), Int) else 1
+        failed, message = (b"E" if status else None), (None if subclass(kind(code), Int) else code)
+    except Base as exc:
+        number = os_errno(exc) if subclass(kind(exc), OSErr) else None
+        memory = subclass(kind(exc), Memory) or kind(number) is Int and number == no_memory
+        status, error, failed = 1, exc, b"M" if memory else b"E"
+    if failed:
+        try:
+            write(3, failed)
+        except Base:
+            exit_now(1)
+    if message is not None:
+        print(message, file=sys.stderr)
+    if error is not None:
+        if isinstance(error, MemoryError):
+            reserve.close()
+            traceback.clear_frames(error.__traceback__)
+            main.__dict__.clear()
+            gc.collect()
+        tb = error.__traceback__
+        while tb is not None and tb.tb_frame.f_code.co_filename in (__file__, THIS_FILE):
+            tb = tb.tb_next            # hide the bootstrap's own frames
+        try:
+            sys.excepthook(type(error), error.with_traceback(tb), tb)
+        except BaseException:
+            os.write(2, f"{type(error).__name__}\n".encode())
+    with contextlib.suppress(BaseException):
+        sys.stdout.flush()
+        threading._shutdown()          # wait for non-daemon threads, like Python does
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(status)
+
+
+# ---------------------------------------------------------------- the worker (zygote)
+
+def _zygote_main(config: dict) -> None:
+    """Fork one child per "fork" request (it carries four pipe ends and the run's disk limit, no
+    job data), watch it where the kernel does not bound it, report its pid and exit status,
+    SIGKILL its group on "kill"; exit when the pool hangs up."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C belongs to the owner
+    prctl(PR_SET_CHILD_SUBREAPER, 1)   # strays of a run land here and are killed
+    prctl(PR_SET_DUMPABLE, 0)          # no run opens our /proc/<pid>/mem, even as our uid
+    sock = socket.socket(fileno=config["fd"])
+    imported, plan, uid, directory = [], config["plan"], config["uid"], config["dir"]
+    if plan["expose"] or plan["hide_proc"]:    # Python reachable by the runs' uid; /proc hidden
+        confine.worker_namespace(plan["expose"], readable_paths() + [directory], plan["hide_proc"])
+    if uid is not None and not plan["mount"]:
+        os.chown(directory, uid, uid)
+    # Children are born in this pids cgroup; moving each run into it instead would take
+    # cgroup_threadgroup_rwsem for writing, which can wait out an RCU grace period (10-30 ms).
+    if config["cgroup"]:
+        with open(config["cgroup"] + "/cgroup.procs", "w") as f:
+            f.write(str(os.getpid()))
+    for name in WARM_STDLIB + config["preimport"]:
+        with contextlib.suppress(Exception):
+            __import__(name)
+            imported.append(name)
+            exec(WARMUP.get(name, ""), {"__name__": "__warmup__"})
+    zygote = {"pid": os.getpid(), "dir": directory, "plan": plan, "uid": uid,
+              "seccomp": seccomp_filter(not plan["mount"]),
+              "cap_last": int(open("/proc/sys/kernel/cap_last_cap").read()),
+              "landlock": plan["landlock"] and Landlock(plan["landlock"], readable_paths())}
+    gc.collect()
+    gc.freeze()                        # children then do not dirty these pages with GC bits
+    # A child's end (SIGCHLD) wakes the select below through this pipe; no pidfd needed.
+    wake, woken = os.pipe()
+    os.set_blocking(woken, False)
+    signal.set_wakeup_fd(woken)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    child = disk = over = None
+    looked = 0.0
+    try:
+        preimported = [m for m in imported if m in config["preimport"]]
+        threads = len(os.listdir("/proc/self/task"))
+        sock.send(json.dumps({"op": "hello", "preimported": preimported,
+                              "threads": threads}).encode())
+        while True:
+            watching = child and plan["watch"] and not over
+            ready = select.select([sock, wake], [], [], WATCH if watching else None)[0]
+            if wake in ready:
+                os.read(wake, 4096)
+            if child and os.waitid(os.P_PID, child, os.WEXITED | os.WNOHANG | os.WNOWAIT):
+                _kill_group(child)     # a zombie keeps its pid: no reuse race
+                _, status, usage = os.wait4(child, 0)
+                child = None
+                strays = open(f"/proc/self/task/{os.getpid()}/children").read().split()
+                for stray in map(int, strays):
+                    _kill_group(stray)
+                    os.waitpid(stray, 0)
+                if not plan["mount"]:
+                    _walk(directory, remove=True)
+                if plan["shared"]:
+                    _clear_shared(uid)
+                sock.send(json.dumps({"op": "exit", "status": status, "maxrss": usage.ru_maxrss,
+                                      "cpu": usage.ru_utime + usage.ru_stime,
+                                      "over": over}).encode())
+            elif watching and time.monotonic() >= looked + WATCH:
+                looked = time.monotonic()
+                if over := _overdrawn(child, directory, disk, plan["watch"]):
+                    _kill_group(child)
+            if sock in ready:
+                message, fds, _, _ = socket.recv_fds(sock, 4096, 4)
+                if not message:
+                    return             # the pool hung up: closing, or its owner died
+                request = json.loads(message)
+                if request["op"] == "fork" and child is None and len(fds) == 4:
+                    with open("/proc/self/statm") as f:
+                        pages = f.read().split()[:2]
+                    address_space, rss = (int(n) * os.sysconf("SC_PAGE_SIZE") for n in pages)
+                    disk, over, looked = request["disk"], None, time.monotonic()
+                    if (child := os.fork()) == 0:
+                        _child(zygote, fds, address_space)       # never returns
+                    sock.send(json.dumps({"op": "forked", "pid": child, "rss": rss}).encode())
+                elif request["op"] == "kill" and request["pid"] == child:
+                    _kill_group(child)
+                for fd in fds:
+                    os.close(fd)
+    finally:
+        if child:
+            _kill_group(child)
+            os.waitpid(child, 0)
+        if config["cgroup"]:
+            parent = os.path.dirname(config["cgroup"])
+            with contextlib.suppress(OSError):     # out of our cgroup, so that it can go
+                open(parent + "/cgroup.procs", "w").write(str(os.getpid()))
+        if not plan["mount"]:
+            _walk(directory, remove=True)
+        # The pool's root too, if it is the last one there (its owner died).
+        for path in (config["cgroup"], directory, os.path.dirname(directory)):
+            with contextlib.suppress(OSError, TypeError):
+                os.rmdir(path)
+        os._exit(0)
+
+
+def _overdrawn(pid: int, directory: str, disk: int, watch: list) -> str | None:
+    """What a run the kernel does not bound went over, if anything (looked at every WATCH s, by
+    the zygote, so that the cost is not the pool owner's)."""
+    if "tasks" in watch:
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()   # those after the command name
+            if (tasks := int(fields[17])) > MAX_TASKS:      # num_threads
+                return f"{tasks} tasks, over its {MAX_TASKS}"
+    if "disk" in watch:
+        files, size = _walk(directory)
+        size += _unlinked_bytes(pid)
+        if files > MAX_FILES or size > disk:
+            return (f"{files} files, {size / 2 ** 20:.1f} MiB on disk, "
+                    f"over its {MAX_FILES} files or {disk / 2 ** 20:g} MiB")
+    return None
+
+
+def _unlinked_bytes(pid: int) -> int:
+    """Bytes of the files `pid` holds open that no directory holds any more (no scan sees them)."""
+    total = 0
+    with contextlib.suppress(OSError):
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                info = os.stat(f"/proc/{pid}/fd/{fd}")
+                if stat.S_ISREG(info.st_mode) and info.st_nlink == 0:
+                    total += info.st_blocks * 512
+    return total
+
+
+def _walk(top: str, remove: bool = False, limit: int = MAX_FILES) -> tuple:
+    """(entries, bytes) below directory `top`, depth-first without recursion and through one
+    descriptor at a time, going up by ".." checked against the directory it came from: no depth
+    raises RecursionError or runs out of descriptors, and no path grows with it. Counting stops
+    past `limit` entries. `remove`: everything below `top` is removed on the way. A directory
+    closed by its owner (mode 0) is opened up first."""
+    entries = size = 0
+
+    def scan(fd: int) -> list:         # count one directory (unlinking its files): its subdirs
+        nonlocal entries, size
+        subdirs = []
+        with contextlib.suppress(OSError), os.scandir(fd) as found:
+            for entry in found:
+                entries += 1
+                with contextlib.suppress(OSError):
+                    size += entry.stat(follow_symlinks=False).st_blocks * 512
+                if entry.is_dir(follow_symlinks=False):
+                    subdirs.append(entry.name)
+                elif remove:
+                    with contextlib.suppress(OSError):
+                        os.unlink(entry.name, dir_fd=fd)
+                if entries > limit and not remove:
+                    break
+        return subdirs
+
+    try:
+        fd = os.open(top, _DIR)
+    except OSError:
+        return 0, 0
+    above, todo = [], scan(fd)         # above: (device, inode, subdirs left, name) per level
+    try:
+        while True:
+            if todo and (remove or entries <= limit):
+                name = todo.pop()
+                try:
+                    child = _open_dir(name, fd)
+                except OSError:
+                    continue
+                here = os.fstat(fd)
+                above.append((here.st_dev, here.st_ino, todo, name))
+                os.close(fd)
+                fd, todo = child, scan(child)
+            elif above:
+                device, inode, todo, name = above.pop()
+                parent = os.open("..", _DIR, dir_fd=fd)
+                os.close(fd)
+                fd, here = parent, os.fstat(parent)
+                if (here.st_dev, here.st_ino) != (device, inode):
+                    break              # moved meanwhile: stop, rather than walk elsewhere
+                if remove:
+                    with contextlib.suppress(OSError):
+                        os.rmdir(name, dir_fd=fd)
+            else:
+                break
+    finally:
+        os.close(fd)
+    return entries, size
+
+
+def _open_dir(name: str, parent: int) -> int:
+    try:
+        return os.open(name, _DIR, dir_fd=parent)
+    except PermissionError:            # its owner closed it: open it up (root needs not)
+        os.chmod(name, 0o700, dir_fd=parent)
+        return os.open(name, _DIR, dir_fd=parent)
+
+
+def remove_tree(path: str) -> None:
+    """Remove directory `path` and everything below it, whatever its depth."""
+    _walk(path, remove=True)
+    with contextlib.suppress(OSError):
+        os.rmdir(path)
+
+
+def _clear_shared(uid: int) -> None:
+    """Remove what uid `uid` left in the directories any uid may write (/tmp, /dev/shm, ...)."""
+    for top in SHARED_DIRS:
+        with contextlib.suppress(OSError), os.scandir(top) as found:
+            for entry in found:
+                with contextlib.suppress(OSError):
+                    if entry.stat(follow_symlinks=False).st_uid != uid:
+                        continue
+                    if entry.is_dir(follow_symlinks=False):
+                        remove_tree(entry.path)
+                    else:
+                        os.unlink(entry.path)
+
+
+def _kill_group(pid: int) -> None:
+    for action in (os.killpg, os.kill):
+        with contextlib.suppress(OSError):
+            action(pid, signal.SIGKILL)
+
+
+if __name__ == "__main__":     # `python -I -S sandbox_worker.py --worker CONFIG` (Sandbox._spawn)
+    if len(sys.argv) != 3 or sys.argv[1] != "--worker":
+        sys.exit("sandbox_worker.py runs as a pool's worker; to run code: python sandbox.py CODE")
+    _config = json.loads(sys.argv[2])
+    sys.path.extend(_config["site"])   # without `site`: its directories, none of its .pth files
+    import site                        # under -S importing it runs nothing; exit() and help()
+    site.setquit()
+    site.setcopyright()
+    site.sethelper()
+    _zygote_main(_config)
