@@ -1,7 +1,7 @@
 """multinode.py: what makes a run over several nodes (torchrun --nnodes N, Slurm) right, or stops
 it in one line at start-up: every rank sees rank 0's out_dir and inputs, every rank evaluates the
 same model, long per-rank work waits on a group of its own, `srun python` without torchrun is
-refused. A first reading can skip it; docs/MULTINODE.md says how to launch."""
+refused. A first reading can skip it; the README ("More than one node") says how to launch."""
 
 import functools
 import hashlib
@@ -27,7 +27,7 @@ def refuse_bare_srun(env=os.environ):
     if "RANK" not in env and "SLURM_PROCID" in env and int(tasks) > 1:
         raise SystemExit(f"Slurm task {env['SLURM_PROCID']} of {tasks} without torchrun: each "
                          f"would train alone; launch one torchrun per node: `srun --ntasks-per-node"
-                         f"=1 torchrun --nnodes $SLURM_NNODES ...` (docs/MULTINODE.md)")
+                         f"=1 torchrun --nnodes $SLURM_NNODES ...` (README: More than one node)")
 
 
 def host():
@@ -79,7 +79,8 @@ def check_shared(out_dir, inputs):
     bad = [f"rank {r} ({where}) cannot see {', '.join(m)}" for r, where, m in report if m]
     if bad:
         raise SystemExit("; ".join(bad) + f"; rank 0 runs in {host()}: every node must see the "
-                         f"same out_dir, data and model (a shared filesystem, docs/MULTINODE.md)")
+                         f"same out_dir, data and model (a shared filesystem: README, More than "
+                         f"one node)")
 
 
 def weights_hash(path, samples=16, chunk=1 << 20):
