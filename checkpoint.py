@@ -3,17 +3,16 @@ Face directory (what evaluate.py and the next stage load) plus train_state/ (sha
 optimizer, each rank's RNG, the trainer's dict) for an exact resume; written under a temporary
 name and renamed once complete, so a killed run leaves the previous one whole."""
 
-import json
 import os
 import random
 import shutil
 import socket
-import struct
 import warnings
 
 import torch
 import torch.distributed as dist
 
+from checks import damaged_weights
 from common import all_gather_list, barrier, broadcast_object, world_size
 
 
@@ -37,29 +36,6 @@ def checkpoints(out_dir, resumable=False):
         if not resumable or os.path.exists(os.path.join(path, "train_state", "trainer.pt")):
             found.append((int(name[5:]), path))
     return sorted(found)
-
-
-def damaged_weights(path):
-    """What is wrong with a Hugging Face directory's safetensors files ("FILE: what"), else None:
-    each file must hold its header and every tensor the header lists (a truncated copy does not)."""
-    for name in sorted(os.listdir(path)):
-        if not name.endswith(".safetensors"):
-            continue
-        file = os.path.join(path, name)
-        size = os.path.getsize(file)
-        try:
-            with open(file, "rb") as f:
-                n = struct.unpack("<Q", f.read(8))[0]
-                header = json.loads(f.read(n)) if 8 + n <= size else None
-        except (struct.error, ValueError, UnicodeDecodeError):
-            header = None
-        if header is None:
-            return f"{file}: truncated or not a safetensors file ({size} bytes, no whole header)"
-        end = 8 + n + max([t["data_offsets"][1] for k, t in header.items()
-                           if k != "__metadata__"], default=0)
-        if size < end:
-            return f"{file}: truncated ({size} of {end} bytes)"
-    return None
 
 
 def damaged(path):

@@ -7,6 +7,7 @@ import dataclasses
 import json
 import math
 import os
+import struct
 
 
 def refuse(name, value, allowed):
@@ -97,6 +98,41 @@ def rollout(cfg):
         if cfg.sandbox_require not in presets and (not names or names - set(LAYERS)):
             refuse("sandbox_require", cfg.sandbox_require, "allowed: 'default' | 'floor' | 'all' | "
                    f"names of {sorted(LAYERS)}, comma-separated")
+
+
+# ---------------------------------------------------------------- the launch and the model's files
+def refuse_bare_srun(env=os.environ):
+    """`srun python rl.py` starts one copy per Slurm task, each unaware of the others (no RANK):
+    N independent runs on one out_dir. Refused, saying how to launch instead. srun sets the
+    step's task count; a batch script's own shell (plain `python rl.py` in it) has none."""
+    tasks = env.get("SLURM_STEP_NUM_TASKS") or "1"
+    if "RANK" not in env and "SLURM_PROCID" in env and int(tasks) > 1:
+        raise SystemExit(f"Slurm task {env['SLURM_PROCID']} of {tasks} without torchrun: each "
+                         f"would train alone; launch one torchrun per node: `srun --ntasks-per-node"
+                         f"=1 torchrun --nnodes $SLURM_NNODES ...` (README: More than one node)")
+
+
+def damaged_weights(path):
+    """What is wrong with a Hugging Face directory's safetensors files ("FILE: what"), else None:
+    each file must hold its header and every tensor the header lists (a truncated copy does not)."""
+    for name in sorted(os.listdir(path)):
+        if not name.endswith(".safetensors"):
+            continue
+        file = os.path.join(path, name)
+        size = os.path.getsize(file)
+        try:
+            with open(file, "rb") as f:
+                n = struct.unpack("<Q", f.read(8))[0]
+                header = json.loads(f.read(n)) if 8 + n <= size else None
+        except (struct.error, ValueError, UnicodeDecodeError):
+            header = None
+        if header is None:
+            return f"{file}: truncated or not a safetensors file ({size} bytes, no whole header)"
+        end = 8 + n + max([t["data_offsets"][1] for k, t in header.items()
+                           if k != "__metadata__"], default=0)
+        if size < end:
+            return f"{file}: truncated ({size} of {end} bytes)"
+    return None
 
 
 # ---------------------------------------------------------------- sft.py's data file

@@ -18,6 +18,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+import checks
+
 # How long a rank waits in a collective (the trainers' --dist_timeout, in minutes): longer than
 # the ranks of a training step drift apart (uneven rollouts, rank 0 writing a 4B checkpoint), short
 # enough that a stuck node stops the job. Evaluations gather on a group of their own
@@ -84,8 +86,7 @@ def setup_distributed(device="auto", timeout_minutes=None):
     if dist.is_initialized():
         cuda = dist.get_backend() == "nccl"
     else:
-        from multinode import refuse_bare_srun
-        refuse_bare_srun()
+        checks.refuse_bare_srun()
         cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
         alone = {} if "RANK" in os.environ else dict(store=dist.HashStore(), rank=0, world_size=1)
         timeout = timedelta(minutes=timeout_minutes) if timeout_minutes else DIST_TIMEOUT
@@ -163,8 +164,7 @@ def resolve_model(path):
     and is not there is refused. A hub id is downloaded once per node (each node has its own
     cache) by its local rank 0, then read from the cache; one line when that fails."""
     if os.path.isdir(path):
-        from checkpoint import damaged_weights
-        if problem := damaged_weights(path):
+        if problem := checks.damaged_weights(path):
             raise SystemExit(f"--model {path}: {problem}")
         return path
     if path.startswith(("./", "../", "/", "~", "runs/")) or os.path.isdir(os.path.dirname(path)):

@@ -32,18 +32,18 @@ def digest(paths, texts=()):
     return h.hexdigest()
 
 
-def grader_source():
-    """The source of every function and table a grade depends on."""
+def grader_source(e):
+    """The source of every function and table a grade depends on (e: the evaluate module)."""
     import answers
     import codetests
-    import evaluate as e
     parts = [answers, e.score_math, e.score_choice, e.extract_program, e.score_code, e.score,
              e.extract_pred, codetests]
     return [inspect.getsource(p) for p in parts]
 
 
-def key(cfg, device):
-    """What the samples in --out must have been made with to be reused."""
+def key(cfg, device, evaluate):
+    """What the samples in --out must have been made with to be reused (evaluate: the evaluate
+    module, whose graders are hashed; passed in, so this file does not import it)."""
     names = [b.strip() for b in cfg.benchmarks.split(",") if b.strip()]
     problems = [cfg.data] if cfg.data else [os.path.join(cfg.data_dir, f"{b}.jsonl")
                                             for b in names]
@@ -51,7 +51,7 @@ def key(cfg, device):
     settings = {k: getattr(cfg, k) for k in SETTINGS}
     return {"model weights": digest(model), "problem files": digest(problems),
             "sampling settings": dict(settings, device=device.type),
-            "grader": digest([], grader_source())}
+            "grader": digest([], grader_source(evaluate))}
 
 
 def reuse_or_start_fresh(out_dir, current):

@@ -530,7 +530,8 @@ def main(argv=None):
         from multinode import same_model
         cfg.model = same_model(resolve_model(cfg.model))  # every rank the same weights, or stop
         if rank == 0:
-            evalresume.reuse_or_start_fresh(out_dir, evalresume.key(cfg, device))
+            this = sys.modules[__name__]  # its graders are part of the key
+            evalresume.reuse_or_start_fresh(out_dir, evalresume.key(cfg, device, this))
         barrier()
         if cfg.dtype:
             dtype = getattr(torch, cfg.dtype)

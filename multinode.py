@@ -19,17 +19,6 @@ from common import all_gather_list, broadcast_object, world_size
 OBJECT_TIMEOUT = timedelta(hours=12)
 
 
-def refuse_bare_srun(env=os.environ):
-    """`srun python rl.py` starts one copy per Slurm task, each unaware of the others (no RANK):
-    N independent runs on one out_dir. Refused, saying how to launch instead. srun sets the
-    step's task count; a batch script's own shell (plain `python rl.py` in it) has none."""
-    tasks = env.get("SLURM_STEP_NUM_TASKS") or "1"
-    if "RANK" not in env and "SLURM_PROCID" in env and int(tasks) > 1:
-        raise SystemExit(f"Slurm task {env['SLURM_PROCID']} of {tasks} without torchrun: each "
-                         f"would train alone; launch one torchrun per node: `srun --ntasks-per-node"
-                         f"=1 torchrun --nnodes $SLURM_NNODES ...` (README: More than one node)")
-
-
 def host():
     return f"{socket.gethostname()}:{os.getcwd()}"
 
