@@ -76,6 +76,19 @@ def input_file(cfg, name, optional=False, skip=(), hint=""):
         refuse(name, path, "no such file" + (hint if path == default else ""))
 
 
+def looks_local(path):
+    """A path written as a path (./, ../, /, ~, runs/) or whose parent directory exists: a
+    directory the user meant, never a hub id (owner/name) to download."""
+    return path.startswith(("./", "../", "/", "~", "runs/")) or os.path.isdir(os.path.dirname(path))
+
+
+def model_dir(cfg, name="model", skip=("toy",)):
+    """The named field is a model directory that exists, or a hub id (downloaded later)."""
+    path = getattr(cfg, name)
+    if path not in skip and not os.path.isdir(path) and looks_local(path):
+        refuse(name, path, "no such directory (a hub id looks like owner/name)")
+
+
 def output_dir(cfg, name):
     """The named field can be a directory: not empty, not an existing file."""
     path = getattr(cfg, name)

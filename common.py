@@ -167,7 +167,7 @@ def resolve_model(path):
         if problem := checks.damaged_weights(path):
             raise SystemExit(f"--model {path}: {problem}")
         return path
-    if path.startswith(("./", "../", "/", "~", "runs/")) or os.path.isdir(os.path.dirname(path)):
+    if checks.looks_local(path):
         raise SystemExit(f"--model {path}: no such directory (a hub id looks like owner/name)")
     from huggingface_hub import snapshot_download
     first, local, error = int(os.environ.get("LOCAL_RANK", 0)) == 0, None, None

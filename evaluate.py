@@ -493,6 +493,7 @@ def check(cfg):  # every flag before anything is loaded or written: one line on 
     checks.rule(not cfg.filter_out or cfg.n >= 2, "n", cfg.n,
                 "allowed with --filter_out: at least 2 (it keeps problems solved only sometimes)")
     checks.input_file(cfg, "data", optional=True)
+    checks.model_dir(cfg)
 
 
 def toy_arguments():

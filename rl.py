@@ -164,6 +164,7 @@ def check(cfg):  # every flag before anything is loaded or written: one line on 
     checks.rule(cfg.overlong_buffer <= cfg.max_response_tokens, "overlong_buffer",
                 cfg.overlong_buffer, "allowed: at most --max_response_tokens")
     checks.output_dir(cfg, "out_dir")
+    checks.model_dir(cfg)
     toy_files = (toy.TRAIN, toy.HELDOUT) if cfg.model == "toy" else ()  # toy.ensure writes them
     checks.input_file(cfg, "data", skip=toy_files, hint=" (data/prepare.py rl; or --preset toy)")
     checks.input_file(cfg, "eval_data", optional=True, skip=toy_files)

@@ -105,6 +105,7 @@ def check(cfg):  # every flag before anything is loaded or written: one line on 
     checks.rule(cfg.micro_batch_tokens >= cfg.max_len, "micro_batch_tokens",
                 cfg.micro_batch_tokens, "allowed: at least --max_len")
     checks.output_dir(cfg, "out_dir")
+    checks.model_dir(cfg)
     checks.input_file(cfg, "data", skip=("toy",), hint=" (data/prepare.py sft; or --preset toy)")
 
 
