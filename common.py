@@ -25,6 +25,10 @@ import checks
 # enough that a stuck node stops the job. Evaluations gather on a group of their own
 # (multinode.gather_objects).
 DIST_TIMEOUT = timedelta(minutes=30)
+# Evaluations gather their results on a gloo group of their own, which waits this long: ranks'
+# shares of an evaluation can finish hours apart (multinode.gather_objects).
+GATHER_TIMEOUT = timedelta(hours=12)
+_gather_groups = {}   # the default group -> its gather group; distributed() takes them down
 
 
 def _bool(text):
@@ -109,9 +113,22 @@ def distributed(device="auto", timeout_minutes=None):
         yield info
         if info[1] > 1:
             dist.barrier()
+            if group := _gather_groups.pop(dist.group.WORLD, None):
+                dist.destroy_process_group(group)   # on every rank before any tears down
+                dist.barrier()                      # the default group: no peer sees it closed
     finally:
         if created:
+            _gather_groups.clear()
             dist.destroy_process_group()
+
+
+def gather_group():
+    """The gloo group with GATHER_TIMEOUT for gathers after long per-rank work. Made on the first
+    call, a collective: every rank calls it at the same point, while the ranks are together."""
+    if dist.group.WORLD not in _gather_groups:
+        group = dist.new_group(backend="gloo", timeout=GATHER_TIMEOUT)
+        _gather_groups[dist.group.WORLD] = group
+    return _gather_groups[dist.group.WORLD]
 
 
 # ---------------------------------------------------------------- collectives

@@ -3,20 +3,17 @@ it in one line at start-up: every rank sees rank 0's out_dir and inputs, every r
 same model, long per-rank work waits on a group of its own, `srun python` without torchrun is
 refused. A first reading can skip it; the README ("More than one node") says how to launch."""
 
-import functools
 import hashlib
 import os
 import socket
 import time
-from datetime import timedelta
 
 import torch.distributed as dist
 
-from common import all_gather_list, broadcast_object, world_size
+from common import all_gather_list, broadcast_object, gather_group, world_size
 
 # Object gathers after per-rank work (an evaluation) wait this long: a rank may finish its share
 # hours before the slowest one, which the training collectives' timeout must not cover.
-OBJECT_TIMEOUT = timedelta(hours=12)
 
 
 def host():
@@ -41,7 +38,6 @@ def check_shared(out_dir, inputs):
     collective; nothing in a world of one."""
     if world_size() == 1:
         return
-    _object_group(dist.group.WORLD)  # made now, while the ranks are together (a collective)
     rank = dist.get_rank()
     marker = os.path.join(out_dir, ".shared_check")
     token = f"{host()} {time.time_ns()}" if rank == 0 else None
@@ -92,7 +88,7 @@ def same_model(path):
     """path on every rank, after checking that every rank names the same model and reads the same
     weights (else one line naming the ranks' paths and hashes). A collective."""
     if world_size() > 1:
-        _object_group(dist.group.WORLD)  # made now, while the ranks are together (a collective)
+        gather_group()  # made now, while the ranks are together (a collective)
     seen = all_gather_list([(path, weights_hash(path) if os.path.isdir(path) else None, host())])
     if len({(p, h) for p, h, _ in seen}) > 1:
         ranks = "; ".join(f"rank {r} ({where}): {p} (weights {h})"
@@ -102,19 +98,14 @@ def same_model(path):
     return path
 
 
-@functools.cache
-def _object_group(world_group):
-    """The long-timeout group, one per process group (a test may make several in one process)."""
-    return dist.new_group(backend="gloo", timeout=OBJECT_TIMEOUT)
-
-
 def gather_objects(obj):
-    """Every rank's obj in rank order, on a gloo group with a long timeout (OBJECT_TIMEOUT): for
-    gathers after long per-rank work, which the training timeout would cut short. A collective."""
+    """Every rank's obj in rank order, on a gloo group with a long timeout (common.gather_group):
+    for gathers after long per-rank work, which the training timeout would cut short. A
+    collective."""
     if world_size() == 1:
         return [obj]
     parts = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, obj, group=_object_group(dist.group.WORLD))
+    dist.all_gather_object(parts, obj, group=gather_group())
     return parts
 
 

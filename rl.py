@@ -49,8 +49,8 @@ import rollout
 import sandbox
 from checkpoint import check_resume, latest_resumable, load_checkpoint, save_checkpoint
 from common import (all_gather_list, all_reduce, broadcast_object, build_model, clip_grads,
-                    compute_dtype, distributed, is_fsdp, parse_config, print0, resolve_model,
-                    start_sandbox)
+                    compute_dtype, distributed, gather_group, is_fsdp, parse_config, print0,
+                    resolve_model, start_sandbox)
 from data import toy
 from interrupt import quiet_interrupt, resume_line
 from model import DTYPES, attention_path
@@ -349,6 +349,8 @@ def train(cfg):
                 toy.ensure()
             cfg.model = broadcast_object(toy.sft_start())  # rank 0's: one start for every rank
         check_shared(cfg.out_dir, [cfg.data, cfg.eval_data, cfg.model])
+        if cfg.eval_data and world > 1:
+            gather_group()  # evaluations gather on it: made while the ranks are together
         return _train(cfg, rank, world, device, sharded)
 
 

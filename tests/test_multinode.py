@@ -222,13 +222,13 @@ def test_evaluation_gathers_on_a_long_timeout_group(tiny_ckpt, monkeypatch, tmp_
         calls.append(("gather", group))
         parts[:] = [obj, []]
     monkeypatch.setattr(dist, "all_gather_object", gather)
-    multinode._object_group.cache_clear()
+    common._gather_groups.clear()
     problems = [{"prompt": "What is 1 + 1?", "answer": "2", "kind": "math"}]
     cfg = evaluate.EvalConfig(n=1, max_response_tokens=4, max_turns=1, problems_per_batch=1)
     model = Transformer.from_pretrained(tiny_ckpt).eval()
     evaluate.evaluate(model, AutoTokenizer.from_pretrained(tiny_ckpt), problems, cfg,
                       progress=False)
-    multinode._object_group.cache_clear()
+    common._gather_groups.clear()
     assert ("gather", "G") in calls
     made = [kw for name, kw in calls if name == "new_group"]
     assert made[0]["backend"] == "gloo" and made[0]["timeout"] > 4 * common.DIST_TIMEOUT
