@@ -43,8 +43,9 @@ def damaged(path):
     dict and RNG files, and every shard the train_state metadata lists, at its full length."""
     from torch.distributed.checkpoint import FileSystemReader
     state = os.path.join(path, "train_state")
-    problem = damaged_weights(path)
-    for name in sorted(os.listdir(state)) if not problem else []:
+    if problem := damaged_weights(path):
+        return problem
+    for name in sorted(os.listdir(state)):
         if name.endswith(".pt"):
             try:
                 torch.load(os.path.join(state, name), weights_only=False)
@@ -54,13 +55,13 @@ def damaged(path):
     try:
         shards = FileSystemReader(dcp_dir).read_metadata().storage_data.values()
     except Exception as e:
-        return problem or f"{dcp_dir}/.metadata: unreadable ({type(e).__name__})"
-    for info in [] if problem else shards:
+        return f"{dcp_dir}/.metadata: unreadable ({type(e).__name__})"
+    for info in shards:
         file = os.path.join(dcp_dir, info.relative_path)
         size = os.path.getsize(file) if os.path.exists(file) else 0
         if size < info.offset + info.length:
             return f"{file}: truncated ({size} of at least {info.offset + info.length} bytes)"
-    return problem
+    return None
 
 
 def latest_resumable(out_dir):

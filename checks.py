@@ -23,8 +23,7 @@ def _number(value):
 
 def _allows(value, rule):
     """rule: '>= x', '> x', or an interval '[a, b)' (round brackets: open ends)."""
-    if not (isinstance(value, (int, float)) and not isinstance(value, bool)
-            and math.isfinite(value)):
+    if not _number(value):
         return False
     if rule.startswith(">"):
         low = float(rule.lstrip(">="))

@@ -12,7 +12,8 @@ imports no stage) on dummy tokens, so the plan cannot drift from the code it pla
 - optimizer: AdamW's step, its two fp32 moments allocated by the first one.
 
 The KV pool is resident through every phase (one Engine per process), so its budget is the device's
-usable memory less the largest phase's peak.
+usable memory less the largest phase's peak; kv_pool_tokens turns that budget into tokens, for
+rollout.Engine and the plan alike.
 """
 
 import torch
@@ -74,18 +75,14 @@ def cuda_peaks(model, cfg, device, world, rl):
     return peaks
 
 
-def kv_token_bytes(config, dtype):
-    """Bytes of K and V one token takes over every layer."""
-    per = torch.empty(0, dtype=dtype).element_size()
-    return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * per
-
-
-def kv_pool_tokens(config, budget, dtype, flash):
-    """Tokens a KV pool of `budget` bytes holds, as rollout.Engine sizes it: without flash-attn
-    half the budget goes to the row buffers (fastkv.RowKVCache)."""
-    block = 256 if flash else 16
-    per_block = kv_token_bytes(config, dtype) * block
-    return max(1, budget // per_block // (1 if flash else 2)) * block
+def kv_pool_tokens(config, budget, dtype, flash, block_size=None):
+    """Token positions a KV pool of `budget` bytes holds, in whole blocks (256 tokens with
+    flash-attn, else 16); without flash-attn half the budget is left to the row buffers
+    (fastkv.RowKVCache), which may take as much. rollout.Engine sizes its pool with it."""
+    block_size = block_size or (256 if flash else 16)
+    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
+    per_block = per_token * block_size * torch.empty(0, dtype=dtype).element_size()
+    return max(1, budget // per_block // (1 if flash else 2)) * block_size
 
 
 def run_sft_phases(model, opt, cfg, device, world, mark, sft):

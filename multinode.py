@@ -12,9 +12,6 @@ import torch.distributed as dist
 
 from common import all_gather_list, broadcast_object, gather_group, world_size
 
-# Object gathers after per-rank work (an evaluation) wait this long: a rank may finish its share
-# hours before the slowest one, which the training collectives' timeout must not cover.
-
 
 def host():
     return f"{socket.gethostname()}:{os.getcwd()}"

@@ -45,6 +45,7 @@ import torch.nn.functional as F
 import fastkv
 from data.prompts import CODE_INTERPRETER
 from fastkv import upload
+from memory import kv_pool_tokens
 from model import sdpa, use_flash
 
 
@@ -372,11 +373,10 @@ class Engine:
         block_size = block_size or (256 if self.use_flash else 16)
         auto = num_blocks is None
         if auto:  # a memory budget, halved without flash-attn: the row buffers may take as much
-            per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim
-            per_block = per_token * block_size * torch.empty(0, dtype=self.dtype).element_size()
             cuda = self.device.type == "cuda"
             budget = kv_cache_bytes or (kv_budget(self.device) if cuda else 4 << 30)
-            num_blocks = max(1, budget // per_block // (1 if self.use_flash else 2))
+            tokens = kv_pool_tokens(cfg, budget, self.dtype, self.use_flash, block_size)
+            num_blocks = tokens // block_size
         row_budget = num_blocks * block_size   # fastkv.RowKVCache's token positions
         if auto and max_seq_lens is not None:  # no more than the workload could ever hold
             num_blocks = min(num_blocks, sum(-(-n // block_size) for n in max_seq_lens))
