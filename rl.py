@@ -49,8 +49,8 @@ import rollout
 import sandbox
 from checkpoint import check_resume, latest_resumable, load_checkpoint, save_checkpoint
 from common import (all_gather_list, all_reduce, broadcast_object, build_model, clip_grads,
-                    compute_dtype, distributed, gather_group, is_fsdp, parse_config, print0,
-                    resolve_model, start_sandbox)
+                    compute_dtype, distributed, exit_worker, gather_group, is_fsdp, parse_config,
+                    print0, resolve_model, start_sandbox)
 from data import toy
 from interrupt import quiet_interrupt, resume_line
 from model import DTYPES, attention_path
@@ -842,3 +842,4 @@ def main(argv=None):
 
 if __name__ == "__main__":
     main()
+    exit_worker()
