@@ -122,27 +122,6 @@ def distributed(device="auto", timeout_minutes=None):
             dist.destroy_process_group()
 
 
-def exit_worker():
-    """How a torchrun worker leaves after a run that ended well: Python threads joined and atexit
-    handlers run, as at any exit, then os._exit(0) instead of the interpreter's teardown. torch's
-    DTensor caches keep a gloo group alive past destroy_process_group, and one of its worker
-    threads can still be letting go of the last collective's tensors, which takes the GIL; Python
-    ends a thread that asks for the GIL during teardown, and the process aborts (pytorch#190489;
-    1 run in 10 of a two-rank CPU test on a busy machine). One process: a plain return."""
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-        return
-    import atexit
-    import sys
-    import threading
-    for thread in threading.enumerate():
-        if thread is not threading.main_thread() and not thread.daemon:
-            thread.join()
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
 def gather_group():
     """The gloo group with GATHER_TIMEOUT for gathers after long per-rank work. Made on the first
     call, a collective: every rank calls it at the same point, while the ranks are together."""

@@ -563,5 +563,5 @@ def main(argv=None):
 
 if __name__ == "__main__":
     main()
-    from common import exit_worker
+    from interrupt import exit_worker
     exit_worker()

@@ -1,5 +1,6 @@
-"""interrupt.py: what Ctrl-C does in rl.py, sft.py and evaluate.py: one line saying where the work
-is kept and how to go on, exit status 130, no traceback from wherever the run was."""
+"""interrupt.py: how rl.py, sft.py and evaluate.py leave. Ctrl-C: one line saying where the work is
+kept and how to go on, exit status 130, no traceback from wherever the run was. A torchrun worker
+whose run ended well: exit_worker."""
 
 import contextlib
 import os
@@ -45,3 +46,23 @@ def resume_line(stage, out_dir, resume="the same command"):
         return f"{stage}: interrupted before its first checkpoint; the same command starts again"
     return (f"{stage}: interrupted; the newest checkpoint is {found[-1][1]} (step "
             f"{found[-1][0]}); {resume} resumes from it")
+
+
+def exit_worker():
+    """How a torchrun worker leaves after a run that ended well: Python threads joined and atexit
+    handlers run, as at any exit, then os._exit(0) instead of the interpreter's teardown. torch's
+    DTensor caches keep a gloo group alive past destroy_process_group, and one of its worker
+    threads can still be letting go of the last collective's tensors, which takes the GIL; Python
+    ends a thread that asks for the GIL during teardown, and the process aborts (pytorch#190489;
+    1 run in 10 of a two-rank CPU test on a busy machine). One process: a plain return."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return
+    import atexit
+    import threading
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -9,7 +9,10 @@ imports no stage) on dummy tokens, so the plan cannot drift from the code it pla
 - old_logprob: one no-grad pass of logprob_micro_batch_tokens (rl.score_tokens).
 - update: rl.update on two micro-batches of micro_batch_tokens, with its micro-batch and gradient
   sync pattern (a gradient held between micro-batches shows in the second).
-- optimizer: AdamW's step, its two fp32 moments allocated by the first one.
+- optimizer: AdamW's step.
+
+AdamW's two fp32 moments stay resident from the run's first step on, so every phase is measured
+beside them: a first step on zero gradients (lr 0 moves nothing) allocates them before the first.
 
 The KV pool is resident through every phase (one Engine per process), so its budget is the device's
 usable memory less the largest phase's peak; kv_pool_tokens turns that budget into tokens, for
@@ -33,6 +36,7 @@ def run_phases(model, opt, cfg, device, world, mark, rl):
     after the last. rl: what holds rl.py's full_weights, score_tokens and update (the rl module).
     opt must be an AdamW that may step (rl.py passes a throwaway with lr 0: the weights do not
     move). A collective on every rank, as the step is."""
+    with_moments(model, opt)
     mark("generate")
     with rl.full_weights(model):
         pass
@@ -51,11 +55,21 @@ def run_phases(model, opt, cfg, device, world, mark, rl):
     opt.zero_grad(set_to_none=True)
 
 
-def probe_optimizer(model, cfg):
+def with_moments(model, opt):
+    """opt's moments allocated, as after a run's first step: one step on zero gradients."""
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def probe_optimizer(model, cfg, foreach=None):
     """An AdamW like the run's with lr 0 (and so no decay): its step allocates and touches what the
-    run's does, and moves no weight; its moments are freed with it."""
+    run's does, and moves no weight; its moments are freed with it. foreach=None: torch's choice
+    for the device (on CUDA, the multi-tensor step, whose temporaries are a whole shard; the plan
+    asks for it on its CPU tensors)."""
     return torch.optim.AdamW(model.parameters(), lr=0.0, betas=(cfg.beta1, cfg.beta2),
-                             weight_decay=cfg.weight_decay)
+                             weight_decay=cfg.weight_decay, foreach=foreach)
 
 
 def cuda_peaks(model, cfg, device, world, rl):
@@ -95,6 +109,7 @@ def run_sft_phases(model, opt, cfg, device, world, mark, sft):
     seq = (torch.zeros(n, dtype=torch.int32), torch.ones(n, dtype=torch.bool))
     run = SimpleNamespace(train_seqs=[seq, seq], model=model, device=device, world=world, rank=0)
     model.train()
+    with_moments(model, opt)
     mark("update")
     sft.forward_backward(run, [0, 1], [[[0], [1]]] * world)
     mark("optimizer")

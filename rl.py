@@ -49,10 +49,10 @@ import rollout
 import sandbox
 from checkpoint import check_resume, latest_resumable, load_checkpoint, save_checkpoint
 from common import (all_gather_list, all_reduce, broadcast_object, build_model, clip_grads,
-                    compute_dtype, distributed, exit_worker, gather_group, is_fsdp, parse_config,
-                    print0, resolve_model, start_sandbox)
+                    compute_dtype, distributed, gather_group, is_fsdp, parse_config, print0,
+                    resolve_model, start_sandbox)
 from data import toy
-from interrupt import quiet_interrupt, resume_line
+from interrupt import exit_worker, quiet_interrupt, resume_line
 from model import DTYPES, attention_path
 from multinode import check_shared, world_advice
 from runlog import Metrics, learning_curve, print_step, step_metrics, write_trajectories

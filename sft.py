@@ -37,8 +37,8 @@ from checkpoint import (check_resume, checkpoints, latest_resumable, load_checkp
 import checks
 from checks import DataError, check_data, check_record
 from common import (all_reduce, barrier, build_model, clip_grads, compute_dtype, distributed,
-                    exit_worker, is_fsdp, parse_config, print0, resolve_model)
-from interrupt import quiet_interrupt, resume_line
+                    is_fsdp, parse_config, print0, resolve_model)
+from interrupt import exit_worker, quiet_interrupt, resume_line
 from model import DTYPES, attention_path, cu_seqlens_from_lengths
 from multinode import check_shared
 from runlog import Metrics

@@ -106,7 +106,7 @@ def track_phases(model, cfg, device, world, opt=None):
     else:
         phases_of = functools.partial(memory.run_phases, rl=rl)
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-    opt = opt or memory.probe_optimizer(model, cfg)
+    opt = opt or memory.probe_optimizer(model, cfg, foreach=True)   # AdamW's step on CUDA
     tracker, peaks, current = FSDPMemTracker(model, opt), {}, [None]
 
     def mark(name):

@@ -76,3 +76,20 @@ def test_evaluate_reuses_only_the_same_evaluation(tiny_ckpt, tmp_path, capsys):
     assert summary["model"] == other
     tiny_evaluation(other, out, "--top_p=0.9")
     assert "(sampling settings differ: top_p 0.6 -> 0.9)" in capsys.readouterr().out
+
+
+def test_a_torchrun_worker_leaves_without_the_interpreter_teardown(tmp_path):
+    """A torchrun worker's teardown could abort on a gloo thread still holding the last
+    collective's tensors: exit_worker leaves with os._exit(0) once Python threads have ended and
+    atexit handlers have run, as at a normal exit. In one process it returns."""
+    script = tmp_path / "worker.py"
+    script.write_text(
+        "import atexit, threading, time, interrupt\n"
+        "atexit.register(lambda: print('atexit ran', flush=True))\n"
+        "threading.Thread(target=lambda: (time.sleep(0.3), print('thread ended', flush=True))).start()\n"
+        "interrupt.exit_worker()\n"
+        "print('returned', flush=True)\n")
+    for world, expected in (("2", "thread ended\natexit ran\n"), ("1", "returned\nthread ended\natexit ran\n")):
+        env = dict(os.environ, PYTHONPATH=ROOT, WORLD_SIZE=world)
+        done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
+        assert (done.returncode, done.stdout) == (0, expected), done.stderr

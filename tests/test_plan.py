@@ -32,19 +32,21 @@ def tiny_config():
 
 
 def test_plan_matches_the_real_step():
-    """Fake tensors and real ones, one tracker: each phase's peak within 10% (AdamW's step on
-    fake DTensors keeps more temporaries alive than on real ones: there the plan is an upper
-    bound)."""
+    """Fake tensors and real ones, one tracker: each phase's peak within 10%; AdamW's two fp32
+    moments are resident in every phase (from the run's first step on) and its multi-tensor
+    step (CUDA's) adds one shard-sized temporary."""
     cfg = rl.Config(**SMALL)
     fake = plan.plan_rank(tiny_config(), cfg, 0, 2, torch.bfloat16, fake=True)
     real = plan.plan_rank(tiny_config(), cfg, 0, 2, torch.bfloat16, fake=False)
     assert list(fake) == list(real) == ["generate", "old_logprob", "update", "optimizer"]
-    for name in ("generate", "old_logprob", "update"):
+    for name in fake:
         assert fake[name]["total"] == pytest.approx(real[name]["total"], rel=0.10), name
         for kind in ("params", "grads"):
             assert fake[name][kind] == real[name][kind], (name, kind)
-    optimizer = fake["optimizer"]["total"], real["optimizer"]["total"]
-    assert optimizer[1] <= optimizer[0] <= 1.5 * optimizer[1]
+    shard = fake["optimizer"]["params"]            # the fp32 shard of every parameter
+    for name in ("generate", "old_logprob", "update"):
+        assert fake[name]["optimizer"] == pytest.approx(2 * shard, rel=0.01), name
+    assert fake["optimizer"]["optimizer"] == pytest.approx(3 * shard, rel=0.01)
 
 
 def write_config(tmp_path):
@@ -66,7 +68,7 @@ def test_plan_fits_and_gives_the_kv_pool(tmp_path, capsys):
 
 
 def test_plan_says_what_does_not_fit(tmp_path, capsys):
-    # 16 MiB x 0.9: less than the log-prob pass's peak (about 15.8 MB)
+    # 16 MiB x 0.9: less than the log-prob pass's peak beside the moments (about 20 MB)
     code = plan.main(["--model", write_config(tmp_path), "--gpus", "2",
                       "--gpu_memory_gib", str(16 / 1024)] + small_flags())
     out = capsys.readouterr().out

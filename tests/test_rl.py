@@ -594,26 +594,6 @@ def test_distributed_waits_for_every_rank_before_tearing_down(monkeypatch):
     assert calls == ["destroy"]
 
 
-def test_a_torchrun_worker_leaves_without_the_interpreter_teardown(tmp_path):
-    """A torchrun worker's teardown could abort on a gloo thread still holding the last
-    collective's tensors: exit_worker leaves with os._exit(0) once Python threads have ended and
-    atexit handlers have run, as at a normal exit. In one process it returns."""
-    import subprocess
-    import sys
-    script = tmp_path / "worker.py"
-    script.write_text(
-        "import atexit, threading, time, common\n"
-        "atexit.register(lambda: print('atexit ran', flush=True))\n"
-        "threading.Thread(target=lambda: (time.sleep(0.3), print('thread ended', flush=True))).start()\n"
-        "common.exit_worker()\n"
-        "print('returned', flush=True)\n")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    for world, expected in (("2", "thread ended\natexit ran\n"), ("1", "returned\nthread ended\natexit ran\n")):
-        env = dict(os.environ, PYTHONPATH=root, WORLD_SIZE=world)
-        done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
-        assert (done.returncode, done.stdout) == (0, expected), done.stderr
-
-
 def test_setup_distributed_sets_a_long_timeout(monkeypatch):
     """Rollouts of 20k-token trajectories and rank 0's checkpoint writes keep the others waiting in
     a collective longer than a default timeout: the process group gets an explicit one (30
