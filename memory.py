@@ -12,7 +12,7 @@ imports no stage) on dummy tokens, so the plan cannot drift from the code it pla
 - optimizer: AdamW's step.
 
 AdamW's two fp32 moments stay resident from the run's first step on, so every phase is measured
-beside them: a first step on zero gradients (lr 0 moves nothing) allocates them before the first.
+beside them: a step on zero gradients (lr 0 moves nothing) allocates them before the first phase.
 
 The KV pool is resident through every phase (one Engine per process), so its budget is the device's
 usable memory less the largest phase's peak; kv_pool_tokens turns that budget into tokens, for
