@@ -18,8 +18,8 @@ always, tagged easy / medium / hard, with a histogram in FILE.hist.json.
 
 Departures from the paper: the math grader normalises both sides (\\dfrac, \\text{} units, "x = 5",
 thousands separators, zero padding) before its exact match; LiveCodeBench runs in this project's
-sandbox with lcb_runner's comparison rules (codetests.run_tests), not in lcb_runner; "overall" is
-the unweighted mean over benchmarks.
+sandbox with lcb_runner's comparison rules (machinery/code_grading.run_tests), not in lcb_runner;
+"overall" is the unweighted mean over benchmarks.
 """
 
 import glob
@@ -33,8 +33,8 @@ from collections import Counter, defaultdict
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, fields
 
-from answers import boxed_answer, final_answer_text, normalize_choice, normalize_math
-from codetests import run_tests  # the code grader's test runner; evaluate.run_tests for its users
+from machinery.code_grading import run_tests  # the code grader's runner; evaluate.run_tests too
+from machinery.final_answer import boxed_answer, final_answer_text, normalize_choice, normalize_math
 
 
 @dataclass
@@ -440,7 +440,7 @@ def evaluate(model, tokenizer, problems, cfg, out_dir=None, progress=True, engin
             bar.update(len(batch))
     lights = [light(r) for r in records]
     if world > 1:  # ranks finish their shares far apart: a gather with a long timeout of its own
-        from multinode import gather_objects
+        from machinery.distributed import gather_objects
         lights = [r for part in gather_objects(lights) for r in part]
     ks = [int(k) for k in cfg.pass_k.split(",") if k.strip()] or None
     return records, summarize(lights, ks, cfg.verl_metrics)
@@ -473,27 +473,27 @@ def write_filtered(problems, records, out_path):
 
 
 def parse_config(argv):
-    from common import parse_config as parse
+    from machinery.flags import parse_config as parse
     return parse(EvalConfig, argv, __doc__)
 
 
 def check(cfg):  # every flag before anything is loaded or written: one line on a bad value
-    import checks
-    checks.rule(cfg.model != "", "model", cfg.model, "required: a checkpoint directory")
-    checks.ranges(cfg, {">= 0": "limit seed", ">= 1": "n problems_per_batch",
+    from machinery import flags
+    flags.rule(cfg.model != "", "model", cfg.model, "required: a checkpoint directory")
+    flags.ranges(cfg, {">= 0": "limit seed", ">= 1": "n problems_per_batch",
                         "> 0": "code_test_timeout"})
-    checks.rollout(cfg)
-    checks.choices(cfg, dtype=("", "float32", "bfloat16", "float16"),
+    flags.rollout(cfg)
+    flags.choices(cfg, dtype=("", "float32", "bfloat16", "float16"),
                    attn_backend=("auto", "sdpa", "flash"))
     ks = cfg.pass_k.replace(",", " ").split()
-    checks.rule(all(k.isdigit() and 0 < int(k) <= cfg.n for k in ks), "pass_k", cfg.pass_k,
+    flags.rule(all(k.isdigit() and 0 < int(k) <= cfg.n for k in ks), "pass_k", cfg.pass_k,
                 f"allowed: comma-separated k, each 1 to --n ({cfg.n})")
-    checks.rule(cfg.data or cfg.benchmarks.strip(", "), "benchmarks", cfg.benchmarks,
+    flags.rule(cfg.data or cfg.benchmarks.strip(", "), "benchmarks", cfg.benchmarks,
                 "allowed: names of <data_dir>/<name>.jsonl files, or --data FILE")
-    checks.rule(not cfg.filter_out or cfg.n >= 2, "n", cfg.n,
+    flags.rule(not cfg.filter_out or cfg.n >= 2, "n", cfg.n,
                 "allowed with --filter_out: at least 2 (it keeps problems solved only sometimes)")
-    checks.input_file(cfg, "data", optional=True)
-    checks.model_dir(cfg)
+    flags.input_file(cfg, "data", optional=True)
+    flags.model_dir(cfg)
 
 
 def toy_arguments():
@@ -512,10 +512,11 @@ def toy_arguments():
 
 def main(argv=None):
     import torch
-    import evalresume
-    from common import barrier, distributed, print0, resolve_model, start_sandbox
-    from interrupt import quiet_interrupt
-    from runlog import Metrics
+    from machinery import eval_resume
+    from machinery.distributed import (barrier, distributed, gather_objects, print0, resolve_model,
+                                       same_model, start_sandbox)
+    from machinery.exits import quiet_interrupt
+    from machinery.run_log import Metrics
     from model import Transformer, attention_path
     from transformers import AutoTokenizer
     argv = sys.argv[1:] if argv is None else argv
@@ -528,11 +529,10 @@ def main(argv=None):
     with quiet_interrupt(lambda: say), distributed() as (rank, world, device, _):
         problems = load_problems(cfg)
         start_sandbox(cfg.sandbox_workers, cfg.sandbox_require, rank)
-        from multinode import same_model
         cfg.model = same_model(resolve_model(cfg.model))  # every rank the same weights, or stop
         if rank == 0:
             this = sys.modules[__name__]  # its graders are part of the key
-            evalresume.reuse_or_start_fresh(out_dir, evalresume.key(cfg, device, this))
+            eval_resume.reuse_or_start_fresh(out_dir, eval_resume.key(cfg, device, this))
         barrier()
         if cfg.dtype:
             dtype = getattr(torch, cfg.dtype)
@@ -547,7 +547,6 @@ def main(argv=None):
         tokenizer = AutoTokenizer.from_pretrained(cfg.model)
         records, summary = evaluate(model, tokenizer, problems, cfg, out_dir=out_dir)
         if cfg.filter_out:
-            from multinode import gather_objects
             everyone = gather_objects([light(r) for r in records])
             if rank == 0:
                 write_filtered(problems, [r for part in everyone for r in part], cfg.filter_out)
@@ -563,5 +562,5 @@ def main(argv=None):
 
 if __name__ == "__main__":
     main()
-    from interrupt import exit_worker
+    from machinery.exits import exit_worker
     exit_worker()

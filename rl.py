@@ -23,6 +23,9 @@ Departures from the paper's run (verl + SGLang):
 - a bad tool call (bad JSON, unknown tool, no code) is answered with an error text; verl drops it;
 - tool runs 10 s / 1024 MB and tests 6 s (the recipe: 30 s / 2048 MB and 30 s);
 - clip_high 0.315 as the paper's text; the released script has 0.28;
+- the tool-call term of the reward (paper Eq. 8) is applied; upstream's released runs never did
+  (their reward manager passed no num_turns, so every wrong answer got a flat -1.1:
+  Open-AgentRL issue 13). --tool_bonus=false comes closest (-1: the same advantages for +-1);
 - dynamic sampling (off by default) drops all-equal groups without re-sampling to refill.
 """
 
@@ -42,20 +45,20 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
-import checks
 import evaluate
-import memory
 import rollout
 import sandbox
-from checkpoint import check_resume, latest_resumable, load_checkpoint, save_checkpoint
-from common import (all_gather_list, all_reduce, broadcast_object, build_model, clip_grads,
-                    compute_dtype, distributed, gather_group, is_fsdp, parse_config, print0,
-                    resolve_model, start_sandbox)
 from data import toy
-from interrupt import exit_worker, quiet_interrupt, resume_line
+from machinery import flags, memory_plan
+from machinery.checkpoints import check_resume, latest_resumable, load_checkpoint, save_checkpoint
+from machinery.distributed import (all_gather_list, all_reduce, broadcast_object, build_model,
+                                   check_shared, clip_grads, compute_dtype, distributed,
+                                   gather_group, is_fsdp, print0, resolve_model, start_sandbox,
+                                   world_advice)
+from machinery.exits import exit_worker, quiet_interrupt, resume_line
+from machinery.flags import parse_config
+from machinery.run_log import Metrics, learning_curve, print_step, step_metrics, write_trajectories
 from model import DTYPES, attention_path
-from multinode import check_shared, world_advice
-from runlog import Metrics, learning_curve, print_step, step_metrics, write_trajectories
 
 
 @dataclass
@@ -144,7 +147,7 @@ def parse_args(argv):
 
 
 def check(cfg):  # every flag before anything is loaded or written: one line on a bad value
-    checks.ranges(cfg, {
+    flags.ranges(cfg, {
         ">= 0": "seed steps weight_decay grad_clip clip_high entropy_coef kl_coef tis_cap adv_eps "
                 "tool_bonus_per_turn overlong_buffer overlong_factor eval_every eval_temperature "
                 "eval_limit save_every log_samples save_trajectories",
@@ -154,20 +157,20 @@ def check(cfg):  # every flag before anything is loaded or written: one line on 
         "> 0": "lr temperature code_test_timeout dist_timeout",  # log-probs divide by T
         "[0, 1)": "clip_low beta1 beta2", "[-1, 1)": "tool_bonus_cap",
         "(0, 1]": "eval_top_p kv_memory_utilization"})
-    checks.rollout(cfg)
-    checks.choices(cfg, loss_agg=("token-mean", "seq-mean-token-mean"),
+    flags.rollout(cfg)
+    flags.choices(cfg, loss_agg=("token-mean", "seq-mean-token-mean"),
                    attn_backend=("auto", "sdpa", "flash"), save_dtype=("auto", *DTYPES))
-    checks.rule(cfg.prompts_per_step % cfg.mini_batch_prompts == 0, "prompts_per_step",
+    flags.rule(cfg.prompts_per_step % cfg.mini_batch_prompts == 0, "prompts_per_step",
                 cfg.prompts_per_step, "allowed: a multiple of --mini_batch_prompts")
-    if cfg.mini_batch_prompts % checks.world():  # every rank holds part of every mini-batch
-        raise SystemExit(world_advice(cfg.mini_batch_prompts, cfg.prompts_per_step, checks.world()))
-    checks.rule(cfg.overlong_buffer <= cfg.max_response_tokens, "overlong_buffer",
+    if cfg.mini_batch_prompts % flags.world():  # every rank holds part of every mini-batch
+        raise SystemExit(world_advice(cfg.mini_batch_prompts, cfg.prompts_per_step, flags.world()))
+    flags.rule(cfg.overlong_buffer <= cfg.max_response_tokens, "overlong_buffer",
                 cfg.overlong_buffer, "allowed: at most --max_response_tokens")
-    checks.output_dir(cfg, "out_dir")
-    checks.model_dir(cfg)
+    flags.output_dir(cfg, "out_dir")
+    flags.model_dir(cfg)
     toy_files = (toy.TRAIN, toy.HELDOUT) if cfg.model == "toy" else ()  # toy.ensure writes them
-    checks.input_file(cfg, "data", skip=toy_files, hint=" (data/prepare.py rl; or --preset toy)")
-    checks.input_file(cfg, "eval_data", optional=True, skip=toy_files)
+    flags.input_file(cfg, "data", skip=toy_files, hint=" (data/prepare.py rl; or --preset toy)")
+    flags.input_file(cfg, "eval_data", optional=True, skip=toy_files)
 
 
 # ---------------------------------------------------------------- advantages, rewards, the loss
@@ -372,7 +375,8 @@ def _train(cfg, rank, world, device, sharded):
             old_logprobs_phase(run, samples)
         with phase("update", times, memory, device):
             updates = update_phase(run, step, samples, kept)
-        record = step_metrics(step + 1, everyone, groups, updates, samples, device,
+        mismatch = sampler_mismatch(samples, device)
+        record = step_metrics(step + 1, everyone, groups, updates, mismatch, device,
                               run.engine.stats)
         keep_trajectories(cfg, step + 1, batch_ids, batch, samples, run.tokenizer)
         eval_phase(run, step + 1, record, times, memory)
@@ -482,6 +486,28 @@ def old_logprobs_phase(run, samples):
     score_tokens(run.model, samples, "old_logprobs", run.cfg, run.device, entropy=True)
     if run.ref is not None:
         score_tokens(run.ref, samples, "ref_logprobs", run.cfg, run.device)
+
+
+def sampler_mismatch(samples, device):
+    """The sampler's log-probs against the trainer's old ones on this step's sampled tokens, over
+    every rank: the mean and largest |difference|, the share of tokens whose ratio leaves
+    [0.9, 1.1]; and the mean entropy. The sampler's are under the distribution it drew from
+    (softmax at the temperature, cut to top-k / top-p and renormalised: rollout.sample), the
+    trainer's under the full softmax at the same temperature; they agree, up to the two attention
+    kernels' rounding, only at top_p 1 and top_k 0 (the RL defaults; setup warns otherwise). The
+    loss's ratio uses the trainer's."""
+    ent = total = worst = outside = count = 0.0
+    for s in samples:
+        m, start = torch.tensor(s["mask"], dtype=torch.bool), s["prompt_len"] - 1
+        d = s["old_logprobs"][start:].cpu()[m] - torch.tensor(s["sampler_logprobs"])[m]  # [tokens]
+        ent += float(s["entropy"][start:].cpu()[m].sum())
+        total, count = total + float(d.abs().sum()), count + d.numel()
+        worst = max([worst] + d.abs().tolist())
+        outside += float(((d.exp() < 0.9) | (d.exp() > 1.1)).sum())
+    ent, total, outside, count = all_reduce([ent, total, outside, count], device)
+    worst = all_reduce([worst], device, dist.ReduceOp.MAX)[0]
+    return {"entropy": ent / max(count, 1), "mismatch_mean": total / max(count, 1),
+            "mismatch_max": worst, "mismatch_outside": outside / max(count, 1)}
 
 
 def update_phase(run, step, samples, kept):
@@ -606,15 +632,15 @@ def make_engine(model, cfg, device, world, evaluating):
     """The process's one Engine (KV pool and CUDA graphs), for every rollout and evaluation: its
     pool holds the larger of a step's and an evaluation batch's sequences at full length; on CUDA
     no more than the device has left at the largest peak of a step's phases, measured by running
-    them (memory.py; scripts/plan.py prints the same phases without a GPU). Built before a resume
-    loads AdamW's moments: the measured step allocates its own."""
+    them (machinery/memory_plan.py; scripts/plan.py prints the same phases without a GPU). Built
+    before a resume loads AdamW's moments: the measured step allocates its own."""
     seqs = -(-cfg.prompts_per_step // world) * cfg.samples_per_prompt
     if evaluating:
         seqs = max(seqs, evaluate.EvalConfig.problems_per_batch * cfg.eval_n)
     budget, peaks = None, {}
     if device.type == "cuda":
         this = sys.modules[__name__]  # its full_weights, score_tokens and update: the step's own
-        peaks = memory.cuda_peaks(model, cfg, device, world, this)
+        peaks = memory_plan.cuda_peaks(model, cfg, device, world, this)
         budget = rollout.kv_budget(device, cfg.kv_memory_utilization, max(peaks.values()))
     lengths = [cfg.max_prompt_tokens + cfg.max_response_tokens] * seqs
     engine = rollout.Engine(model, max_seq_lens=lengths, kv_cache_bytes=budget,
@@ -743,9 +769,10 @@ def update(model, opt, samples, num_tokens, num_seqs, cfg, device, world):
     split it:
       each micro-batch's loss is sum(its tokens' terms) / num_tokens (the mini-batch's count of
       mask-1 tokens, all ranks); backward() adds the micro-batches' gradients on a rank; FSDP2's
-      reduce-scatter then averages over the ranks (it divides the sum by world: common.build_model
-      says so where FSDP2 is built), so backpropagating loss x world turns that average into the
-      sum over ranks and micro-batches of sum(terms) / num_tokens = the mini-batch's token mean."""
+      reduce-scatter then averages over the ranks (it divides the sum by world:
+      distributed.build_model says so where FSDP2 is built), so backpropagating loss x world turns
+      that average into the sum over ranks and micro-batches of sum(terms) / num_tokens = the
+      mini-batch's token mean."""
     model.train()
     opt.zero_grad(set_to_none=True)
     clip_high = cfg.clip_high if cfg.clip_higher else cfg.clip_low

@@ -1,10 +1,11 @@
 """rollout.py: a paged-KV batched sampler and the multi-turn agent loop with tools.
 
 `generate` / `complete`: token-id prompts in, new ids (and log-probs) out, through an `Engine`
-(continuous batching over PagedKVCache, the reference path; its fast paths, in fastkv.py, change
-only where K/V is read from; keep one Engine per process). The tokens do not depend on batching,
-preemption or tool timing (`sample`); the logits do in their last bits (CPU fp32: the same tokens,
-log-probs within 1e-5; CUDA bf16: tokens may differ with the batch shape).
+(continuous batching over PagedKVCache, the reference path; its fast paths, in
+machinery/fast_sampling.py, change only where K/V is read from; keep one Engine per process). The
+tokens do not depend on batching, preemption or tool timing (`sample`); the logits do in their last
+bits (CPU fp32: the same tokens, log-probs within 1e-5; CUDA bf16: tokens may differ with the batch
+shape).
 
 `rollout(model, tokenizer, problems, RolloutConfig(n=16))`: the prompt is [system] + user rendered
 with every tool of TOOLS (the code interpreter; a fork adds its own, see Tool). A turn that ends
@@ -42,10 +43,10 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-import fastkv
 from data.prompts import CODE_INTERPRETER
-from fastkv import upload
-from memory import kv_pool_tokens
+from machinery import fast_sampling
+from machinery.fast_sampling import upload
+from machinery.memory_plan import kv_pool_tokens
 from model import sdpa, use_flash
 
 
@@ -191,8 +192,9 @@ class PagedKVCache:
     whatever blocks it gets (shared prefix blocks included).
 
     This is the plain path, on any device: a prefill is one SDPA call per sequence (its cached
-    tokens read from its blocks), a decode step gathers each group's blocks. fastkv.py's fast paths,
-    mixed over it, change only where K/V is read (row buffers; flash-attn on the pools)."""
+    tokens read from its blocks), a decode step gathers each group's blocks. The fast paths of
+    machinery/fast_sampling.py, mixed over it, change only where K/V is read (row buffers;
+    flash-attn on the pools)."""
 
     def __init__(self, config, num_blocks, block_size, device, dtype):
         shape = (2, num_blocks + 1, block_size, config.num_key_value_heads, config.head_dim)
@@ -366,7 +368,7 @@ class Engine:
         """The pool, sized once: num_blocks, else kv_cache_bytes (default: on CUDA kv_budget(), on
         CPU 4 GiB) of K/V, no more than max_seq_lens (the longest sequences held at once) could
         fill. dtype: of the K/V (default: the weights'; a trainer builds its engine before FSDP
-        has gathered the bf16 weights). compile: fastkv.CpuForward."""
+        has gathered the bf16 weights). compile: fast_sampling.CpuForward."""
         self.model, cfg, param = model, model.config, next(model.parameters())
         self.device, self.dtype = param.device, dtype or param.dtype
         self.use_flash = use_flash(getattr(model, "attn_backend", "auto"), self.device, self.dtype)
@@ -377,23 +379,23 @@ class Engine:
             budget = kv_cache_bytes or (kv_budget(self.device) if cuda else 4 << 30)
             tokens = kv_pool_tokens(cfg, budget, self.dtype, self.use_flash, block_size)
             num_blocks = tokens // block_size
-        row_budget = num_blocks * block_size   # fastkv.RowKVCache's token positions
+        row_budget = num_blocks * block_size   # fast_sampling.RowKVCache's token positions
         if auto and max_seq_lens is not None:  # no more than the workload could ever hold
             num_blocks = min(num_blocks, sum(-(-n // block_size) for n in max_seq_lens))
         self.num_blocks = num_blocks
         self.blocks = BlockManager(num_blocks, block_size, share_prefix)
-        # the plain cache with the fast path of this device mixed in (fastkv.py)
-        self.cache = fastkv.kv_cache(PagedKVCache, cfg, num_blocks, block_size, self.device,
+        # the plain cache with the fast path of this device mixed in (machinery/fast_sampling.py)
+        self.cache = fast_sampling.kv_cache(PagedKVCache, cfg, num_blocks, block_size, self.device,
                                      self.dtype, flash=self.use_flash, row_budget=row_budget,
                                      max_batch=max_num_seqs, max_seq_lens=max_seq_lens)
-        self.forward = fastkv.CpuForward(model, compile=compile and not self.use_flash)
+        self.forward = fast_sampling.CpuForward(model, compile=compile and not self.use_flash)
         self.max_num_seqs, self.max_prefill_tokens = max_num_seqs, max_prefill_tokens
         self.raw_logprobs, self.stats = False, {}
         self.waiting, self.running, self.held = deque(), deque(), []
         self.new_rollout()
 
     def new_rollout(self):
-        """Before each use: fresh counters (flash: graphs dropped if the weights moved, fastkv)."""
+        """Before each use: fresh counters (flash: graphs dropped if the weights moved)."""
         if self.use_flash:
             self.cache.new_rollout(self.model)
         self.stats = dict(prefill_tokens=0, decode_tokens=0, shared_tokens=0, preemptions=0,
@@ -481,12 +483,12 @@ class Engine:
         batch = self._schedule_decode() if decode else batch
         if not batch:
             return []
-        if decode and self.use_flash:  # bucketed, on CUDA a graph replayed: fastkv.FlashKVCache
+        if decode and self.use_flash:  # bucketed, a CUDA graph replayed: fast_sampling.FlashKVCache
             logits = self.cache.decode_step(self.model, batch)
             self.stats["decode_tokens"] += len(batch)
         else:
             input_ids, positions = self.cache.begin(batch, decode)
-            with self.forward(self.cache, decode) as hidden:  # model.hidden (fastkv: CPU speed)
+            with self.forward(self.cache, decode) as hidden:  # model.hidden (fast on CPU)
                 h = hidden(input_ids, positions=positions, kv_cache=self.cache)
                 last = h[:, 0] if decode else h[0, self.cache.last_index]  # each sequence's last
                 logits = self.model.lm_head(last).float()

@@ -24,8 +24,8 @@ SIGKILLs a run's process group at its deadline (the timeout, plus what the run w
 up to a backstop), caps stdout and stderr, and gives "ok" for exit status 0 with no failure
 reported on the run's fd 3, never for what the run printed.
 
-This file is the front. The machinery is beside it: sandbox_pool.py (the pool `Sandbox` and its
-verdicts), sandbox_worker.py (the zygote and the child, which the workers run) and confine.py
+This file is the front. The machinery is in machinery/: sandbox_pool.py (the pool `Sandbox` and its
+verdicts), sandbox_worker.py (the zygote and the child, which the workers run) and sandbox_linux.py
 (the kernel calls, and what this machine grants). docs/SANDBOX.md says why each layer, what each
 guards and what is lost without it.
 """
@@ -42,7 +42,7 @@ import sys
 import threading
 
 # Result, Sandbox and default_workers are part of this module's API; they live with the pool.
-from sandbox_pool import Result, Sandbox, default_workers  # noqa: F401 (re-exported)
+from machinery.sandbox_pool import Result, Sandbox, default_workers  # noqa: F401 (re-exported)
 
 # ---------------------------------------------------------------- the code-interpreter tool
 

@@ -32,16 +32,15 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from checkpoint import (check_resume, checkpoints, latest_resumable, load_checkpoint,
-                        save_checkpoint)
-import checks
-from checks import DataError, check_data, check_record
-from common import (all_reduce, barrier, build_model, clip_grads, compute_dtype, distributed,
-                    is_fsdp, parse_config, print0, resolve_model)
-from interrupt import exit_worker, quiet_interrupt, resume_line
+from machinery import flags
+from machinery.checkpoints import (check_resume, checkpoints, latest_resumable, load_checkpoint,
+                                   save_checkpoint)
+from machinery.distributed import (all_reduce, barrier, build_model, check_shared, clip_grads,
+                                   compute_dtype, distributed, is_fsdp, print0, resolve_model)
+from machinery.exits import exit_worker, quiet_interrupt, resume_line
+from machinery.flags import DataError, check_data, check_record, parse_config
+from machinery.run_log import Metrics
 from model import DTYPES, attention_path, cu_seqlens_from_lengths
-from multinode import check_shared
-from runlog import Metrics
 
 
 @dataclass
@@ -93,20 +92,20 @@ def parse_args(argv):
 
 
 def check(cfg):  # every flag before anything is loaded or written: one line on a bad value
-    checks.ranges(cfg, {">= 0": "seed weight_decay grad_clip max_steps eval_size eval_every "
+    flags.ranges(cfg, {">= 0": "seed weight_decay grad_clip max_steps eval_size eval_every "
                                 "save_every",
                         ">= 1": "epochs batch_size keep_train_state log_every",
                         ">= 2": "max_len", "> 0": "lr dist_timeout",
                         "[0, 1)": "warmup_ratio beta1 beta2"})
-    checks.choices(cfg, too_long=("truncate", "drop"), attn_backend=("auto", "sdpa", "flash"),
+    flags.choices(cfg, too_long=("truncate", "drop"), attn_backend=("auto", "sdpa", "flash"),
                    save_dtype=("auto", *DTYPES), device=("auto", "cuda", "cpu"))
-    checks.rule(cfg.device != "cuda" or torch.cuda.is_available(), "device", cfg.device,
+    flags.rule(cfg.device != "cuda" or torch.cuda.is_available(), "device", cfg.device,
                 "no CUDA device here; allowed: auto | cpu")
-    checks.rule(cfg.micro_batch_tokens >= cfg.max_len, "micro_batch_tokens",
+    flags.rule(cfg.micro_batch_tokens >= cfg.max_len, "micro_batch_tokens",
                 cfg.micro_batch_tokens, "allowed: at least --max_len")
-    checks.output_dir(cfg, "out_dir")
-    checks.model_dir(cfg)
-    checks.input_file(cfg, "data", skip=("toy",), hint=" (data/prepare.py sft; or --preset toy)")
+    flags.output_dir(cfg, "out_dir")
+    flags.model_dir(cfg)
+    flags.input_file(cfg, "data", skip=("toy",), hint=" (data/prepare.py sft; or --preset toy)")
 
 
 def mark_content(chat, messages, tools, where):
@@ -444,7 +443,8 @@ def step_batch(run):
 def forward_backward(run, batch, micro):
     """This rank's micro-batches, forward and backward; the gradient is the token mean over every
     assistant token of the global batch (each micro-batch's summed NLL / the batch's count; x world
-    because FSDP2 averages over the ranks: common.build_model). -> (summed NLL, token count)."""
+    because FSDP2 averages over the ranks: distributed.build_model).
+    -> (summed NLL, token count)."""
     loss_tokens = sum(int(run.train_seqs[i][1][1:].sum()) for i in batch)  # the whole batch's
     nll_sum = torch.zeros((), dtype=torch.float64, device=run.device)
     mine = micro[run.rank]

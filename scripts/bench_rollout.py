@@ -19,7 +19,7 @@ import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import rollout  # noqa: E402
-from common import parse_config  # noqa: E402
+from machinery.flags import parse_config  # noqa: E402
 
 
 class ScriptedModel(nn.Module):

@@ -10,7 +10,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import sandbox  # noqa: E402
-import sandbox_pool  # noqa: E402
+from machinery import sandbox_pool  # noqa: E402
 
 # Tool calls are mostly small computations; "sympy-integrate" shows a heavier one, where the
 # computation itself, not start-up, dominates and the pool helps less.

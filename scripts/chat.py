@@ -11,8 +11,8 @@ from dataclasses import dataclass, replace
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import checks  # noqa: E402
-from common import parse_config  # noqa: E402
+from machinery import flags  # noqa: E402
+from machinery.flags import parse_config  # noqa: E402
 from rollout import AgentLoop, Engine, RolloutConfig, chat_format  # noqa: E402
 
 
@@ -27,9 +27,9 @@ def main(argv):
     from transformers import AutoTokenizer
     from model import Transformer
     args = parse_config(ChatConfig, argv, __doc__)
-    checks.rule(args.model != "", "model", args.model, "required: a checkpoint directory")
-    checks.rollout(args)  # before the model loads: one line on a bad value
-    checks.choices(args, device=("auto", "cuda", "cpu"))
+    flags.rule(args.model != "", "model", args.model, "required: a checkpoint directory")
+    flags.rollout(args)  # before the model loads: one line on a bad value
+    flags.choices(args, device=("auto", "cuda", "cpu"))
     config = replace(args, seed=None if args.seed < 0 else args.seed)  # a RolloutConfig
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     model, tokenizer = Transformer.from_pretrained(args.model, device=device), AutoTokenizer.from_pretrained(args.model)

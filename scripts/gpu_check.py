@@ -14,7 +14,7 @@ installed (it installs nothing).
   the eager one (flash-attn only);
 - CUDA graphs without flash-attn: capture, drop, capture again (a fresh pool, then the dropped graph's); a world-1
   FSDP2 model's decode step captured after rl.full_weights; a cached-prefix prefill with SDPA's math kernel off;
-- scripts/plan.py's figure for each phase of an RL step against the same phases measured (memory.py): FAIL past 10%;
+- scripts/plan.py's figure for each phase of an RL step against the same phases measured (machinery/memory_plan.py): FAIL past 10%;
 - decode tokens/s of a random Qwen3-4B-shaped model at batch 64 and 256 (bf16) beside transformers.generate with
   the same weights, and the KV pool the Engine chose;
 - one `torchrun --nproc_per_node 1` step of rl.py and of sft.py on a random Qwen3-0.6B-shaped checkpoint (the real
@@ -39,10 +39,10 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-import fastkv  # noqa: E402
+from machinery import fast_sampling  # noqa: E402
 import model as model_py  # noqa: E402
 import rollout  # noqa: E402
-from common import parse_config  # noqa: E402
+from machinery.flags import parse_config  # noqa: E402
 from model import FUSED, ModelConfig, Transformer  # noqa: E402
 
 QWEN3_4B = dict(hidden_size=2560, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
@@ -280,8 +280,8 @@ def check_generate(plan, device, cache):
 
 def check_graphs(plan, device, cache):
     err = flash_error()
-    if err or fastkv.flash_attn_with_kvcache is None:
-        raise Skip(f"flash-attn not installed ({err or 'not importable in fastkv.py'})")
+    if err or fast_sampling.flash_attn_with_kvcache is None:
+        raise Skip(f"flash-attn not installed ({err or 'not importable in fast_sampling.py'})")
     if device.type != "cuda":
         raise Skip("CUDA only")
     model = Transformer.from_pretrained(small_checkpoint(plan, cache), device=device, dtype=torch.bfloat16)
@@ -291,7 +291,7 @@ def check_graphs(plan, device, cache):
     outs, engines = [], []
     for graphs in (True, False):
         engines.append(rollout.Engine(model, max_seq_lens=[len(p) + k for p, k in zip(prompts, budgets)]))
-        engines[-1].cache.use_graphs = graphs  # the flash cache's switch (fastkv.FlashKVCache)
+        engines[-1].cache.use_graphs = graphs  # the flash cache's switch (fast_sampling.FlashKVCache)
         outs.append(rollout.generate(model, prompts, budgets, engine=engines[-1]))
     same = sum(x == y for x, y in zip(*outs))
     captured = getattr(engines[0].cache, "graphs", {})  # none without flash-attn
@@ -307,19 +307,19 @@ def cuda_only(device):
 
 
 def check_graph_pool(plan, device, cache):
-    """fastkv's graph bookkeeping on a real GPU, flash-attn or not: capture, drop, capture again (the
+    """fast_sampling's graph bookkeeping on a real GPU, flash-attn or not: capture, drop, capture again (the
     fresh pool reset_graphs takes, and the old pool reused after its graph is gone), each replay
     equal to the eager result."""
     cuda_only(device)
     w = torch.randn(1024, 1024, device=device, dtype=torch.bfloat16)
     x = torch.randn(64, 1024, device=device, dtype=torch.bfloat16)
     want, stream, pool = x @ w, torch.cuda.Stream(device), torch.cuda.graph_pool_handle()
-    first = fastkv.cuda_graph(lambda: x @ w, pool, stream)
+    first = fast_sampling.cuda_graph(lambda: x @ w, pool, stream)
     same = [bool(torch.equal(first(), want))]
     del first
     gc.collect()
     for again in (torch.cuda.graph_pool_handle(), pool):  # fresh pool, then the dropped graph's
-        replay = fastkv.cuda_graph(lambda: x @ w, again, stream)
+        replay = fast_sampling.cuda_graph(lambda: x @ w, again, stream)
         same.append(bool(torch.equal(replay(), want)))
         del replay
     return dict(ok=all(same), result=f"replays equal to eager: {same} (first, fresh pool, reused pool)")
@@ -334,12 +334,12 @@ def process_group(device):
 
 
 def check_fsdp_graph(plan, device, cache):
-    """A world-1 FSDP2 model (common.build_model) gathered by rl.full_weights and one decode step of
+    """A world-1 FSDP2 model (distributed.build_model) gathered by rl.full_weights and one decode step of
     its blocks (no FSDP hooks: model.bare_blocks) captured in a CUDA graph: the replay equals the
     eager step."""
     cuda_only(device)
     import rl
-    from common import build_model
+    from machinery.distributed import build_model
     done = process_group(device)
     try:
         model = build_model(small_checkpoint(plan, cache), device, True).eval()
@@ -347,7 +347,7 @@ def check_fsdp_graph(plan, device, cache):
         pos = torch.full((8, 1), 5, device=device)
         with torch.no_grad(), rl.full_weights(model):
             want = model.hidden(ids, positions=pos)
-            replay = fastkv.cuda_graph(lambda: model.hidden(ids, positions=pos),
+            replay = fast_sampling.cuda_graph(lambda: model.hidden(ids, positions=pos),
                                        torch.cuda.graph_pool_handle(), torch.cuda.Stream(device))
             diff = float((replay() - want).abs().max())
     finally:
@@ -378,12 +378,12 @@ def check_prefill_no_math(plan, device, cache):
 
 
 def check_memory_plan(plan, device, cache):
-    """scripts/plan.py's figure for each phase against the same phases measured here (memory.py: on
+    """scripts/plan.py's figure for each phase against the same phases measured here (machinery/memory_plan.py: on
     CUDA the allocator's peaks, on CPU the tracker on real tensors): FAIL past 10%."""
-    import memory
+    from machinery import memory_plan
     import plan as plan_py
     import rl
-    from common import build_model
+    from machinery.distributed import build_model
     path, _ = base_checkpoint(plan, device, cache)
     config = ModelConfig.from_dict(json.load(open(os.path.join(path, "config.json"))))
     cfg = rl.Config(micro_batch_tokens=plan["mem_tokens"], logprob_micro_batch_tokens=2 * plan["mem_tokens"])
@@ -394,7 +394,7 @@ def check_memory_plan(plan, device, cache):
         try:
             model = build_model(path, device, True)
             model.gradient_checkpointing = cfg.activation_checkpointing
-            measured = memory.cuda_peaks(model, cfg, device, 1, rl)
+            measured = memory_plan.cuda_peaks(model, cfg, device, 1, rl)
         finally:
             done()
     else:

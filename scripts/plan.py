@@ -4,7 +4,7 @@
                            [--attn flash|sdpa] [--every_rank] [--sft] [rl.py's (sft.py's) flags]
 
 Builds the real model (from a Hugging Face dir or just its config.json; no weights are read) on the
-meta device, shards it with FSDP2 as common.build_model does, and runs memory.run_phases (rl.py's
+meta device, shards it with FSDP2 as distributed.build_model does, and runs memory_plan.run_phases (rl.py's
 own full_weights, score_tokens, update with its micro-batch and sync pattern, AdamW's step) for
 a simulated rank under torch's FakeTensorMode with the "fake" process-group backend: nothing is
 allocated, FSDPMemTracker counts what would be. FSDP2 pads every shard to the same size, so
@@ -12,7 +12,7 @@ rank 0's table is every rank's (--every_rank runs each, 40 s apiece). Prints eac
 kind (GiB), the KV pool that fits beside the largest phase (kv_memory_utilization x the GPU, as
 rl.py sizes it) in tokens and full-length sequences, then "fits" or what does not; exits 1 when
 something does not fit. The defaults are the paper's recipe (rl.Config) on 8 x 80 GB. --sft plans
-sft.py's step instead (memory.run_sft_phases: sft.forward_backward over two packed micro-batches
+sft.py's step instead (memory_plan.run_sft_phases: sft.forward_backward over two packed micro-batches
 of micro_batch_tokens, AdamW's step; no KV pool).
 
 Fake tensors carry shapes, not values: small host tensors (cu_seqlens, counts) keep theirs, every
@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-import memory  # noqa: E402
+from machinery import memory_plan  # noqa: E402
 import rl  # noqa: E402
 from model import ModelConfig, Transformer  # noqa: E402
 
@@ -56,12 +56,12 @@ def load_config(path):
 
 
 def shard(config, dtype):
-    """The model on the meta device, sharded as common.build_model shards it (each block one unit,
+    """The model on the meta device, sharded as distributed.build_model shards it (each block one unit,
     the root another; compute in dtype, fp32 gradient reduction)."""
     from torch.distributed.fsdp import (MixedPrecisionPolicy, fully_shard,
                                         register_fsdp_forward_method)
     import warnings
-    # as common.build_model: token_logprobs returns a view, only ever used out of place
+    # as distributed.build_model: token_logprobs returns a view, only ever used out of place
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     with torch.device("meta"):
         model = Transformer(config)
@@ -98,15 +98,15 @@ def fake_values():
 
 
 def track_phases(model, cfg, device, world, opt=None):
-    """{phase: {kind: peak bytes}} of memory.run_phases (memory.run_sft_phases for an sft.Config)
+    """{phase: {kind: peak bytes}} of memory_plan.run_phases (memory_plan.run_sft_phases for an sft.Config)
     under FSDPMemTracker (fake or real tensors alike: the test runs it both ways)."""
     import sft
     if isinstance(cfg, sft.Config):
-        phases_of = functools.partial(memory.run_sft_phases, sft=sft)
+        phases_of = functools.partial(memory_plan.run_sft_phases, sft=sft)
     else:
-        phases_of = functools.partial(memory.run_phases, rl=rl)
+        phases_of = functools.partial(memory_plan.run_phases, rl=rl)
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-    opt = opt or memory.probe_optimizer(model, cfg, foreach=True)   # AdamW's step on CUDA
+    opt = opt or memory_plan.probe_optimizer(model, cfg, foreach=True)   # AdamW's step on CUDA
     tracker, peaks, current = FSDPMemTracker(model, opt), {}, [None]
 
     def mark(name):
@@ -196,7 +196,7 @@ def verdict(phases, config, cfg, gpu_bytes, flash, dtype):
                      f"GiB of {usable / GIB:.1f} usable ({cfg.kv_memory_utilization} x "
                      f"{gpu_bytes / GIB:.0f}); no room for the KV pool")
         return lines, False
-    tokens = memory.kv_pool_tokens(config, budget, dtype, flash)
+    tokens = memory_plan.kv_pool_tokens(config, budget, dtype, flash)
     lines.append(f"KV pool: {budget / GIB:.1f} GiB = {tokens} tokens = {tokens / full:.1f} "
                  f"full-length sequences ({full} tokens) beside {peak_name}'s peak")
     if tokens < full:

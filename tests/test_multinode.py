@@ -1,6 +1,6 @@
 """Several nodes: two torchrun launches on 127.0.0.1 stand for two nodes (gloo, one process each),
-in separate working directories or on a shared out_dir; and each check of multinode.py,
-checkpoint.py and common.py with faked ranks and environments."""
+in separate working directories or on a shared out_dir; and each check of
+machinery/distributed.py and machinery/checkpoints.py with faked ranks and environments."""
 import contextlib
 import os
 import signal
@@ -12,9 +12,9 @@ import time
 import pytest
 import torch
 
-import checkpoint
-import common
-import multinode
+from machinery import checkpoints as checkpoint
+from machinery import distributed as common
+from machinery import distributed as multinode
 import rl
 from test_rl import as_args, max_diff, metrics, small_run, tool_policy, weights  # noqa: F401
 
@@ -365,7 +365,7 @@ def test_transposed_weights_are_remade_after_an_optimizer_step():
     """FSDP2 gathers a step's new weights into the same storage and keeps the version counter
     (as _unsafe_preserve_version_counter does here): the CPU sampler's transposed copies must
     still follow the update the optimizer made (on the shards: another tensor)."""
-    import fastkv
+    from machinery import fast_sampling as fastkv
     from model import Linear
     lin = Linear(4, 3)
     shard = torch.nn.Parameter(torch.zeros(2))

@@ -1,4 +1,4 @@
-"""scripts/plan.py and memory.py: the memory plan run on fake tensors against the same step on real
+"""scripts/plan.py and machinery/memory_plan.py: the memory plan run on fake tensors against the same step on real
 CPU tensors (the same tracker), its verdict and exit status, and update's gradient sync pattern."""
 import json
 import os
@@ -21,7 +21,7 @@ SMALL = dict(micro_batch_tokens=256, logprob_micro_batch_tokens=512, max_prompt_
 @pytest.fixture(autouse=True)
 def no_process_group():
     """The plan sets up a fake process group of its own; a world-1 gloo group that an earlier test
-    left in this process (common.setup_distributed) is taken down first."""
+    left in this process (distributed.setup_distributed) is taken down first."""
     import torch.distributed as dist
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -76,7 +76,7 @@ def test_plan_says_what_does_not_fit(tmp_path, capsys):
 
 
 def test_kv_pool_tokens_is_the_engines(tiny_ckpt):
-    import memory
+    from machinery import memory_plan as memory
     import rollout
     from model import Transformer
     model = Transformer.from_pretrained(tiny_ckpt)
@@ -92,7 +92,7 @@ def test_update_reduce_scatters_every_micro_batch(monkeypatch):
     import torch.distributed as dist
     from torch.distributed.fsdp._fully_shard import _fsdp_param_group
     from torch.testing._internal.distributed.fake_pg import FakeStore
-    import memory
+    from machinery import memory_plan as memory
     calls = []
     real = _fsdp_param_group.foreach_reduce
     monkeypatch.setattr(_fsdp_param_group, "foreach_reduce",

@@ -508,7 +508,7 @@ def grads(model):
 def test_entropy_bonus_moves_the_gradient(tiny_ckpt):
     """--entropy_coef: the gradient of the update is the policy loss's minus coef times the
     gradient of the token-mean entropy (it used to come from no-grad stats: no effect at all)."""
-    from common import setup_distributed
+    from machinery.distributed import setup_distributed
     setup_distributed()
     model, samples = tiny_update_inputs(tiny_ckpt)
     opt = torch.optim.AdamW(model.parameters(), lr=0.0)
@@ -533,7 +533,7 @@ def test_entropy_bonus_moves_the_gradient(tiny_ckpt):
 def test_grad_clip_zero_means_no_clipping(tiny_ckpt):
     """--grad_clip=0 is off, as in sft.py (clip_grad_norm_(max_norm=0) would zero every gradient);
     a small positive value clips to it; the logged norm is the one before clipping."""
-    from common import setup_distributed
+    from machinery.distributed import setup_distributed
     setup_distributed()
     model, samples = tiny_update_inputs(tiny_ckpt)
     opt, n_tok, cpu = torch.optim.AdamW(model.parameters(), lr=0.0), sum(sum(s["mask"]) for s in samples), torch.device("cpu")
@@ -578,7 +578,7 @@ def test_distributed_waits_for_every_rank_before_tearing_down(monkeypatch):
     """A rank that destroys its gloo group while a peer still uses it gets the peer aborted
     (SIGABRT in a 2-rank torchrun eval): leaving normally, the group is destroyed only after a
     barrier; leaving by an exception, it is destroyed without waiting on ranks that may never come."""
-    import common
+    from machinery import distributed as common
     calls = []
     monkeypatch.setattr(common.dist, "is_initialized", lambda: False)
     monkeypatch.setattr(common, "setup_distributed", lambda device, *_: (0, 2, torch.device("cpu"), True))
@@ -598,7 +598,7 @@ def test_setup_distributed_sets_a_long_timeout(monkeypatch):
     """Rollouts of 20k-token trajectories and rank 0's checkpoint writes keep the others waiting in
     a collective longer than a default timeout: the process group gets an explicit one (30
     minutes, --dist_timeout; evaluations gather on a group of their own)."""
-    import common
+    from machinery import distributed as common
     seen = {}
     monkeypatch.setattr(common.dist, "is_initialized", lambda: False)
     monkeypatch.setattr(common.dist, "init_process_group", lambda backend, **kw: seen.update(kw, backend=backend))
@@ -630,7 +630,7 @@ def test_recipe_options_run_inside_the_loop(tool_policy, tmp_path):
 def fsdp_model(tiny_ckpt):
     """The tiny checkpoint as the trainers build it under torchrun: FSDP2, one unit per block and the root,
     here in a world of one process (gloo)."""
-    from common import build_model, setup_distributed
+    from machinery.distributed import build_model, setup_distributed
     setup_distributed()
     return build_model(tiny_ckpt, torch.device("cpu"), sharded=True)
 
@@ -650,7 +650,7 @@ def test_full_weights_leaves_the_root_gathered_after_forward(fsdp_model):
 
 def test_gradients_are_reduced_every_micro_batch(fsdp_model, tiny_ckpt, monkeypatch):
     """Three micro-batches, one reduce-scatter per FSDP unit after each (as verl): no unsharded fp32
-    gradient is held between them (memory.py's probe runs this same update: tests/test_plan.py)."""
+    gradient is held between them (machinery/memory_plan.py's probe runs this same update: tests/test_plan.py)."""
     from torch.distributed.fsdp._fully_shard import _fsdp_param_group
     real, calls = _fsdp_param_group.foreach_reduce, []
     monkeypatch.setattr(_fsdp_param_group, "foreach_reduce", lambda *a, **k: calls.append(1) or real(*a, **k))
@@ -664,7 +664,7 @@ def test_gradients_are_reduced_every_micro_batch(fsdp_model, tiny_ckpt, monkeypa
 
 
 def test_entropy_is_computed_with_gradients_only_for_its_bonus(tiny_ckpt, monkeypatch):
-    from common import setup_distributed
+    from machinery.distributed import setup_distributed
     setup_distributed()
     model, samples = tiny_update_inputs(tiny_ckpt)
     asked, real = [], model.token_logprobs

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-import fastkv
+from machinery import fast_sampling as fastkv
 import rollout
 from model import Transformer
 from rollout import ChatFormat, Engine, RolloutConfig, complete, generate, sample

@@ -24,9 +24,9 @@ import time
 
 import pytest
 
-import confine
+from machinery import sandbox_linux as confine
 import sandbox
-import sandbox_pool
+from machinery import sandbox_pool
 from evaluate import run_tests
 from sandbox import Result, Sandbox, format_tool_output, prepare_code
 

@@ -15,7 +15,7 @@ import tempfile
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import confine  # noqa: E402
+from machinery import sandbox_linux as confine  # noqa: E402
 
 PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOBODY = 65534
@@ -101,7 +101,8 @@ CHECKS = {
 CHECK_SCRIPT = f"""
 import json, os, sys, tempfile
 sys.path.insert(0, {PROJECT!r})
-import sandbox, sandbox_pool
+import sandbox
+from machinery import sandbox_pool
 spec, checks = json.loads(sys.argv[1]), json.loads(sys.argv[2])
 if spec.get("landlock_abi"):
     granted = sandbox_pool.grants()

@@ -12,7 +12,7 @@ import torch
 
 import sft
 from rollout import ChatFormat
-from checkpoint import checkpoints
+from machinery.checkpoints import checkpoints
 from model import Transformer
 from data.prompts import CODE_INTERPRETER as TOOL_SCHEMA
 

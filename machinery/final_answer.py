@@ -1,7 +1,7 @@
-"""answers.py: the final answer in a response, and the normalisation both sides of the math and
-multiple-choice graders go through (evaluate.score_math / score_choice compare what these give).
-The paper's strict grader looks at the \\boxed{} of the response's last 100 characters; here both
-the prediction and the reference are normalised first (\\dfrac, \\text{} units, "x = 5",
+"""machinery/final_answer.py: the final answer in a response, and the normalisation both sides of
+the math and multiple-choice graders go through (evaluate.score_math / score_choice compare what
+these give). The paper's strict grader looks at the \\boxed{} of the response's last 100 characters;
+here both the prediction and the reference are normalised first (\\dfrac, \\text{} units, "x = 5",
 thousands separators, zero padding)."""
 
 import re

@@ -1,4 +1,5 @@
-"""fastkv.py: the fast paths of rollout.py's paged KV cache, which a first reading can skip.
+"""machinery/fast_sampling.py: the fast paths of rollout.py's paged KV cache, which a first reading
+can skip.
 
 rollout.PagedKVCache is the reference: it explains paging, prefix sharing and preemption. What is
 here only makes it faster: it changes where K/V is read from, not what attention computes.

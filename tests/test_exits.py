@@ -84,10 +84,10 @@ def test_a_torchrun_worker_leaves_without_the_interpreter_teardown(tmp_path):
     atexit handlers have run, as at a normal exit. In one process it returns."""
     script = tmp_path / "worker.py"
     script.write_text(
-        "import atexit, threading, time, interrupt\n"
+        "import atexit, threading, time\nfrom machinery import exits\n"
         "atexit.register(lambda: print('atexit ran', flush=True))\n"
         "threading.Thread(target=lambda: (time.sleep(0.3), print('thread ended', flush=True))).start()\n"
-        "interrupt.exit_worker()\n"
+        "exits.exit_worker()\n"
         "print('returned', flush=True)\n")
     for world, expected in (("2", "thread ended\natexit ran\n"), ("1", "returned\nthread ended\natexit ran\n")):
         env = dict(os.environ, PYTHONPATH=ROOT, WORLD_SIZE=world)

@@ -1,86 +1,34 @@
-"""common.py: what every stage shares: one flag parser, distributed set-up and the few collectives
-the trainers use (none of them runs in a one-process run), rank-0 printing, hub-id resolution,
-FSDP2 model building (where the trainers' x world comes from), the sandbox's start-up check.
-Beside it: checkpoint.py (save, resume), runlog.py (metrics.jsonl, wandb, kept trajectories),
-multinode.py (the start-up checks of a run over several nodes)."""
+"""machinery/distributed.py: what the stages share to run as one process or under torchrun:
+distributed set-up and the few collectives the trainers use (none of them runs in a one-process
+run), rank-0 printing, hub-id resolution, FSDP2 model building (where the trainers' x world comes
+from), the sandbox's start-up check; and what makes a run over several nodes right, or stops it
+in one line at start-up (every rank sees rank 0's out_dir and inputs, every rank evaluates the
+same model, long per-rank work waits on a group of its own, `srun python` without torchrun is
+refused). The README ("More than one node") says how to launch."""
 
-import argparse
 import contextlib
-import inspect
-import io
+import hashlib
 import json
 import os
-import tokenize
+import socket
+import time
 import warnings
-from dataclasses import fields
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-import checks
+from machinery.flags import damaged_weights, looks_local
 
 # How long a rank waits in a collective (the trainers' --dist_timeout, in minutes): longer than
 # the ranks of a training step drift apart (uneven rollouts, rank 0 writing a 4B checkpoint), short
 # enough that a stuck node stops the job. Evaluations gather on a group of their own
-# (multinode.gather_objects).
+# (gather_objects).
 DIST_TIMEOUT = timedelta(minutes=30)
 # Evaluations gather their results on a gloo group of their own, which waits this long: ranks'
-# shares of an evaluation can finish hours apart (multinode.gather_objects).
+# shares of an evaluation can finish hours apart (gather_objects).
 GATHER_TIMEOUT = timedelta(hours=12)
 _gather_groups = {}   # the default group -> its gather group; distributed() takes them down
-
-
-def _bool(text):
-    if text.lower() not in ("1", "0", "true", "false", "yes", "no"):
-        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
-    return text.lower() in ("1", "true", "yes")
-
-
-def _field_comments(cls):
-    """field -> the comment on its line in the class source (what --help says of it);
-    {} without source."""
-    try:
-        source = inspect.getsource(cls)
-    except (OSError, TypeError):
-        return {}
-    lines = source.splitlines()
-    comments = {}
-    for t in tokenize.generate_tokens(io.StringIO(source).readline):
-        if t.type == tokenize.COMMENT:
-            name = lines[t.start[0] - 1].split(":")[0].strip()
-            comments[name] = t.string.lstrip("# ").replace("%", "%%")
-    return comments
-
-
-def parse_config(cls, argv, doc="", presets=None):
-    """A `cls` dataclass from --name value / --name=value flags ('-' and '_' alike; a bare bool
-    flag means true). presets: {name: {field: value}}; `--preset NAME` sets those defaults under
-    the explicit flags. `--` (torchrun's separator) is skipped; --help lists every default, with
-    the comment beside the field in the dataclass."""
-    argv = [a for a in argv if a != "--"]
-    values = {}
-    if presets:  # a first pass reads --preset alone, so its values become the defaults --help shows
-        pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-        pre.add_argument("--preset", choices=sorted(presets))
-        values = presets.get(pre.parse_known_args(argv)[0].preset) or {}
-    p = argparse.ArgumentParser(description=doc, allow_abbrev=False,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    if presets:
-        p.add_argument("--preset", choices=sorted(presets), help="named preset of defaults")
-    comments = _field_comments(cls)
-    for f in fields(cls):
-        default = values.get(f.name, f.default)
-        names = sorted({f"--{f.name}", f"--{f.name.replace('_', '-')}"})
-        if type(f.default) is bool:
-            kind = dict(type=_bool, nargs="?", const=True)
-        else:
-            kind = dict(type=type(f.default))
-        help_text = f"{comments.get(f.name, '')} (default: {default!r})".lstrip()
-        p.add_argument(*names, dest=f.name, default=default, help=help_text, **kind)
-    args = vars(p.parse_args(argv))
-    args.pop("preset", None)
-    return cls(**args)
 
 
 def setup_distributed(device="auto", timeout_minutes=None):
@@ -90,7 +38,7 @@ def setup_distributed(device="auto", timeout_minutes=None):
     if dist.is_initialized():
         cuda = dist.get_backend() == "nccl"
     else:
-        checks.refuse_bare_srun()
+        refuse_bare_srun()
         cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
         alone = {} if "RANK" in os.environ else dict(store=dist.HashStore(), rank=0, world_size=1)
         timeout = timedelta(minutes=timeout_minutes) if timeout_minutes else DIST_TIMEOUT
@@ -181,10 +129,10 @@ def resolve_model(path):
     and is not there is refused. A hub id is downloaded once per node (each node has its own
     cache) by its local rank 0, then read from the cache; one line when that fails."""
     if os.path.isdir(path):
-        if problem := checks.damaged_weights(path):
+        if problem := damaged_weights(path):
             raise SystemExit(f"--model {path}: {problem}")
         return path
-    if checks.looks_local(path):
+    if looks_local(path):
         raise SystemExit(f"--model {path}: no such directory (a hub id looks like owner/name)")
     from huggingface_hub import snapshot_download
     first, local, error = int(os.environ.get("LOCAL_RANK", 0)) == 0, None, None
@@ -278,3 +226,119 @@ def clip_grads(model, max_norm):
     limit = max_norm if max_norm > 0 else float("inf")
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), limit)
     return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
+
+def refuse_bare_srun(env=os.environ):
+    """`srun python rl.py` starts one copy per Slurm task, each unaware of the others (no RANK):
+    N independent runs on one out_dir. Refused, saying how to launch instead. srun sets the
+    step's task count; a batch script's own shell (plain `python rl.py` in it) has none."""
+    tasks = env.get("SLURM_STEP_NUM_TASKS") or "1"
+    if "RANK" not in env and "SLURM_PROCID" in env and int(tasks) > 1:
+        raise SystemExit(f"Slurm task {env['SLURM_PROCID']} of {tasks} without torchrun: each "
+                         f"would train alone; launch one torchrun per node: `srun --ntasks-per-node"
+                         f"=1 torchrun --nnodes $SLURM_NNODES ...` (README: More than one node)")
+
+
+# ---------------------------------------------------------------- several nodes
+def host():
+    return f"{socket.gethostname()}:{os.getcwd()}"
+
+
+def _describe(path):
+    """What rank 0 sees at path, to compare: a file's size, a directory's file names and sizes;
+    None when path is not there (a hub id, or a path the stage itself will refuse)."""
+    if not path or not os.path.exists(path):
+        return None
+    if os.path.isfile(path):
+        return os.path.getsize(path)
+    return sorted((n, os.path.getsize(os.path.join(path, n))) for n in os.listdir(path)
+                  if os.path.isfile(os.path.join(path, n)))
+
+
+def check_shared(out_dir, inputs):
+    """Stop at start-up unless every rank sees what rank 0 sees: a file rank 0 writes into
+    out_dir (checkpoint shards from every rank meet there), and each input path (data, model)
+    with the same sizes. One line names each rank that cannot see something, and what. A
+    collective; nothing in a world of one."""
+    if world_size() == 1:
+        return
+    rank = dist.get_rank()
+    marker = os.path.join(out_dir, ".shared_check")
+    token = f"{host()} {time.time_ns()}" if rank == 0 else None
+    if rank == 0:
+        os.makedirs(out_dir, exist_ok=True)
+        with open(marker, "w") as f:
+            f.write(token)
+    token, seen = broadcast_object((token, [_describe(p) for p in inputs] if rank == 0 else None))
+    missing = []
+    try:
+        with open(marker) as f:
+            ok = f.read() == token
+    except OSError:
+        ok = False
+    if not ok:
+        missing.append(f"out_dir {out_dir} (rank 0's {marker} is not there)")
+    for path, theirs in zip(inputs, seen):
+        if theirs is not None and _describe(path) != theirs:
+            what = "missing" if not os.path.exists(path) else "not the same files as rank 0's"
+            missing.append(f"{path} ({what})")
+    report = all_gather_list([(rank, host(), missing)])
+    if rank == 0:
+        os.remove(marker)
+    bad = [f"rank {r} ({where}) cannot see {', '.join(m)}" for r, where, m in report if m]
+    if bad:
+        raise SystemExit("; ".join(bad) + f"; rank 0 runs in {host()}: every node must see the "
+                         f"same out_dir, data and model (a shared filesystem: README, More than "
+                         f"one node)")
+
+
+def weights_hash(path, samples=16, chunk=1 << 20):
+    """A hash of a model directory's weight files: each one's size and `samples` MiB read at
+    spread offsets (every weight of a trained model moves, so any sample tells two apart)."""
+    h = hashlib.sha256()
+    for name in sorted(os.listdir(path)):
+        if name.endswith((".safetensors", ".bin")):
+            file = os.path.join(path, name)
+            size = os.path.getsize(file)
+            h.update(f"{name} {size}".encode())
+            with open(file, "rb") as f:
+                for i in range(samples):
+                    f.seek(size * i // samples)
+                    h.update(f.read(chunk))
+    return h.hexdigest()[:16]
+
+
+def same_model(path):
+    """path on every rank, after checking that every rank names the same model and reads the same
+    weights (else one line naming the ranks' paths and hashes). A collective."""
+    if world_size() > 1:
+        gather_group()  # made now, while the ranks are together (a collective)
+    seen = all_gather_list([(path, weights_hash(path) if os.path.isdir(path) else None, host())])
+    if len({(p, h) for p, h, _ in seen}) > 1:
+        ranks = "; ".join(f"rank {r} ({where}): {p} (weights {h})"
+                          for r, (p, h, where) in enumerate(seen))
+        raise SystemExit(f"the ranks would evaluate different models: {ranks}; pass the same "
+                         f"--model on a shared filesystem")
+    return path
+
+
+def gather_objects(obj):
+    """Every rank's obj in rank order, on a gloo group with a long timeout (gather_group):
+    for gathers after long per-rank work, which the training timeout would cut short. A
+    collective."""
+    if world_size() == 1:
+        return [obj]
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, obj, group=gather_group())
+    return parts
+
+
+def world_advice(mini_batch, prompts_per_step, world):
+    """What to change when mini_batch prompts do not split over `world` processes."""
+    fits = [w for w in range(1, mini_batch + 1) if mini_batch % w == 0]
+    updates = max(1, prompts_per_step // mini_batch)
+    bigger = -(-mini_batch // world) * world  # the next multiple of world
+    return (f"--mini_batch_prompts {mini_batch} is not a multiple of the {world} processes "
+            f"(every rank holds part of every mini-batch): run {', '.join(map(str, fits))} "
+            f"processes, or pass --mini_batch_prompts {bigger} --prompts_per_step "
+            f"{bigger * updates} ({updates} updates a step as now)")

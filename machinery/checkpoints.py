@@ -1,6 +1,6 @@
-"""checkpoint.py: one checkpoint writer and reader for both trainers. A checkpoint is a Hugging
-Face directory (what evaluate.py and the next stage load) plus train_state/ (sharded weights and
-optimizer, each rank's RNG, the trainer's dict) for an exact resume; written under a temporary
+"""machinery/checkpoints.py: one checkpoint writer and reader for both trainers. A checkpoint is a
+Hugging Face directory (what evaluate.py and the next stage load) plus train_state/ (sharded weights
+and optimizer, each rank's RNG, the trainer's dict) for an exact resume; written under a temporary
 name and renamed once complete, so a killed run leaves the previous one whole."""
 
 import os
@@ -12,8 +12,8 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from checks import damaged_weights
-from common import all_gather_list, barrier, broadcast_object, world_size
+from machinery.distributed import all_gather_list, barrier, broadcast_object, world_size
+from machinery.flags import damaged_weights
 
 
 def check_resume(saved, current, fields_that_matter, allow):

@@ -1,6 +1,6 @@
-"""runlog.py: what a run leaves behind to be watched by: metrics.jsonl lines that survive a
-resume (and the same numbers in Weights & Biases), rl.py's step record and printed step line,
-kept trajectories for scripts/view.py, the learning curve printed at the end of rl.py."""
+"""machinery/run_log.py: what a run leaves behind to be watched by: metrics.jsonl lines that survive
+a resume (and the same numbers in Weights & Biases), rl.py's step record and printed step line, kept
+trajectories for scripts/view.py, the learning curve printed at the end of rl.py."""
 
 import gzip
 import json
@@ -11,7 +11,7 @@ from dataclasses import asdict
 import torch
 import torch.distributed as dist
 
-from common import all_reduce, print0
+from machinery.distributed import all_reduce, print0
 
 
 class Metrics:
@@ -126,27 +126,13 @@ def learning_curve(out_dir):
     return table
 
 
-def step_metrics(step, everyone, groups, updates, samples, device, engine_stats):
+def step_metrics(step, everyone, groups, updates, mismatch, device, engine_stats):
     """One metrics line: rewards, accuracy, tool use, lengths, the loss stats (means over the
-    updates), the entropy and the sampler/trainer log-prob mismatch over this step's tokens, the
-    KV pool (its size, its peak use and the preemptions: the largest and the sum over ranks)."""
+    updates), the entropy and the sampler/trainer mismatch (rl.sampler_mismatch), the KV pool
+    (its size, its peak use and the preemptions: the largest and the sum over ranks)."""
     n, calls = len(everyone), sum(s["tool_calls"] for s in everyone)
-    # The mismatch: the sampler's log-probs are under the distribution it drew from (softmax at
-    # the temperature, cut to top-k / top-p and renormalised: rollout.sample), the trainer's old
-    # log-probs under the full softmax at the same temperature. They agree, up to the two
-    # attention kernels' rounding, only at top_p 1 and top_k 0 (the RL defaults; rl.setup warns
-    # otherwise). The loss's ratio uses the trainer's.
-    ent = total = worst = outside = count = 0.0
-    for s in samples:
-        m, start = torch.tensor(s["mask"], dtype=torch.bool), s["prompt_len"] - 1
-        d = s["old_logprobs"][start:].cpu()[m] - torch.tensor(s["sampler_logprobs"])[m]
-        ent += float(s["entropy"][start:].cpu()[m].sum())
-        total, count = total + float(d.abs().sum()), count + d.numel()
-        worst = max([worst] + d.abs().tolist())
-        outside += float(((d.exp() < 0.9) | (d.exp() > 1.1)).sum())
-    sums = [ent, total, outside, count, engine_stats["preemptions"]]
-    ent, total, outside, count, preemptions = all_reduce(sums, device)
-    most = all_reduce([worst, engine_stats["kv_peak_tokens"]], device, dist.ReduceOp.MAX)
+    preemptions = all_reduce([engine_stats["preemptions"]], device)[0]
+    kv_peak = all_reduce([engine_stats["kv_peak_tokens"]], device, dist.ReduceOp.MAX)[0]
     mean = lambda key: sum(s[key] for s in everyone) / n
     rec = {"event": "step", "step": step, "reward": mean("reward"), "accuracy": mean("correct"),
            "score": mean("score"), "tool_calls_per_traj": calls / n,
@@ -156,10 +142,8 @@ def step_metrics(step, everyone, groups, updates, samples, device, engine_stats)
            "truncated": sum(s["finish"] == "length" for s in everyone) / n,
            "max_turns_hit": sum(s["finish"] == "max_turns" for s in everyone) / n,
            "groups_all_equal": sum(max(g) == min(g) for g in groups.values()) / len(groups),
-           "entropy": ent / max(count, 1), "mismatch_mean": total / max(count, 1),
-           "mismatch_max": most[0], "mismatch_outside": outside / max(count, 1),
-           "updates": len(updates), "kv_pool_tokens": engine_stats["kv_pool_tokens"],
-           "preemptions": int(preemptions), "kv_peak_tokens": int(most[1])}
+           **mismatch, "updates": len(updates), "kv_pool_tokens": engine_stats["kv_pool_tokens"],
+           "preemptions": int(preemptions), "kv_peak_tokens": int(kv_peak)}
     for k in ("loss", "clip_high", "clip_low", "clip_dual", "approx_kl", "ref_kl", "grad_norm"):
         vals = [u[k] for u in updates if k in u]
         if vals:

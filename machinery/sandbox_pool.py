@@ -1,13 +1,13 @@
-"""sandbox_pool.py: the machinery behind sandbox.py: the warm pool and the verdicts.
+"""machinery/sandbox_pool.py: the machinery behind sandbox.py: the warm pool and the verdicts.
 
 sandbox.py is the front (what the rest of the project calls, and the method in brief); this file,
-with sandbox_worker.py (the zygote and the child, which the workers run) and confine.py (the
+with sandbox_worker.py (the zygote and the child, which the workers run) and sandbox_linux.py (the
 kernel calls a run locks itself down with), is how it is done (docs/SANDBOX.md has the reasoning):
 - Sandbox: the pool, one thread per worker in the calling process, which it makes not dumpable.
   It writes each run's job and stdin, reads and caps its output (_Capture), keeps its deadline
   (the wall clock less the time the run waited for a CPU, up to BACKSTOP times the timeout), and
   gives the verdict (_verdict) from kernel facts, never from what the run wrote.
-- grants() and _layers(): what this machine grants of the optional LAYERS (confine.detect(),
+- grants() and _layers(): what this machine grants of the optional LAYERS (sandbox_linux.detect(),
   once per process) and the plan the workers follow, among it the uid each worker's runs get;
   _PROBE and _expected(): each worker's first run checks from inside that the plan holds.
 This file never imports sandbox.py.
@@ -36,11 +36,13 @@ import time
 import types
 from dataclasses import dataclass
 
-import confine
-from confine import ARCH, MAX_FILES, PR_SET_DUMPABLE, available_cores, missing_layer, prctl
+from machinery import sandbox_linux
+from machinery.sandbox_linux import (ARCH, MAX_FILES, PR_SET_DUMPABLE, available_cores,
+                                     missing_layer, prctl)
 # The worker's limits are part of this module's API (tests and scripts read them here).
-from sandbox_worker import (MAX_OPEN_FILES, MAX_SIGNALS, MAX_TASKS, PREIMPORT,  # noqa: F401
-                            THREAD_VARS, THIS_FILE as WORKER_FILE, remove_tree)
+from machinery.sandbox_worker import (MAX_OPEN_FILES, MAX_SIGNALS, MAX_TASKS,  # noqa: F401
+                                      PREIMPORT, THREAD_VARS, THIS_FILE as WORKER_FILE,
+                                      remove_tree)
 
 DEFAULT_OUTPUT_LIMIT = 64 * 1024   # bytes kept of stdout and of stderr, each
 DEFAULT_DISK_MB = 64               # tmpfs size: the run's total bytes on disk
@@ -152,10 +154,10 @@ def _site() -> list:
 
 @functools.lru_cache(maxsize=None)
 def grants() -> dict:
-    """What this machine grants of the optional layers: confine.detect() in a fresh process
+    """What this machine grants of the optional layers: sandbox_linux.detect() in a fresh process
     started like a worker (it forks to try them), once per process."""
-    found = subprocess.run([sys.executable, "-I", "-S", confine.__file__,
-                            str(confine.run_uid(0))], env=_environment(tempfile.gettempdir()),
+    found = subprocess.run([sys.executable, "-I", "-S", sandbox_linux.__file__,
+                            str(sandbox_linux.run_uid(0))], env=_environment(tempfile.gettempdir()),
                            capture_output=True, text=True, timeout=120)
     if found.returncode:
         why = found.stderr.strip()[-500:]
@@ -265,7 +267,7 @@ class Sandbox:
         first = next(_slots) if self.plan["uid"] else None
         for _ in range(self.num_workers - 1 if self.plan["uid"] else 0):
             next(_slots)
-        self.uids = [first is not None and confine.run_uid(first + i) or None
+        self.uids = [first is not None and sandbox_linux.run_uid(first + i) or None
                      for i in range(self.num_workers)]
         absent = "; ".join(f"{LAYERS[k]} [{why}]" for k, why in self.off.items())
         self.description = (f"sandbox: {self.num_workers} workers; in force: {', '.join(on)}; "

@@ -1,4 +1,5 @@
-"""codetests.py: run a code problem's program against its tests in the sandbox, pass/fail per test.
+"""machinery/code_grading.py: run a code problem's program against its tests in the sandbox,
+pass/fail per test.
 
 run_tests takes the three shapes of a problem's `tests` (docs/CONTRACTS.md, "Problem records") and
 grades each the way its source does:

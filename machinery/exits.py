@@ -1,6 +1,6 @@
-"""interrupt.py: how rl.py, sft.py and evaluate.py leave. Ctrl-C: one line saying where the work is
-kept and how to go on, exit status 130, no traceback from wherever the run was. A torchrun worker
-whose run ended well: exit_worker."""
+"""machinery/exits.py: how rl.py, sft.py and evaluate.py leave. Ctrl-C: one line saying where the
+work is kept and how to go on, exit status 130, no traceback from wherever the run was. A torchrun
+worker whose run ended well: exit_worker."""
 
 import contextlib
 import os
@@ -40,7 +40,7 @@ def by_interrupt(error):
 def resume_line(stage, out_dir, resume="the same command"):
     """What quiet_interrupt says for a trainer: its newest resumable checkpoint and the command
     that resumes from it; without one, that the same command starts again."""
-    from checkpoint import checkpoints
+    from machinery.checkpoints import checkpoints
     found = checkpoints(out_dir, resumable=True)
     if not found:
         return f"{stage}: interrupted before its first checkpoint; the same command starts again"

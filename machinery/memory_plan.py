@@ -1,4 +1,5 @@
-"""memory.py: what one RL step holds on a GPU, phase by phase, and the KV pool that fits beside it.
+"""machinery/memory_plan.py: what one RL step holds on a GPU, phase by phase, and the KV pool that
+fits beside it.
 
 One accounting for two users: rl.make_engine measures it on CUDA at start-up and sizes its KV pool
 from it; scripts/plan.py runs the same phases on fake tensors for N simulated ranks (no GPU) and
@@ -92,7 +93,7 @@ def cuda_peaks(model, cfg, device, world, rl):
 def kv_pool_tokens(config, budget, dtype, flash, block_size=None):
     """Token positions a KV pool of `budget` bytes holds, in whole blocks (256 tokens with
     flash-attn, else 16); without flash-attn half the budget is left to the row buffers
-    (fastkv.RowKVCache), which may take as much. rollout.Engine sizes its pool with it."""
+    (fast_sampling.RowKVCache), which may take as much. rollout.Engine sizes its pool with it."""
     block_size = block_size or (256 if flash else 16)
     per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
     per_block = per_token * block_size * torch.empty(0, dtype=dtype).element_size()

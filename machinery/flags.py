@@ -1,13 +1,71 @@
-"""checks.py: the rules a stage's flags are checked by before it loads a model or writes a file
-(rl.check, sft.check, evaluate.check, scripts/chat.py). A value that cannot work stops the run
-with one line naming the flag, the value and what is allowed, instead of a traceback minutes
-later (a ZeroDivisionError after the held-out evaluation, an empty result that exits 0)."""
+"""machinery/flags.py: how a stage reads its flags (parse_config: one dataclass, --name=value)
+and the rules it checks them by before it loads a model or writes a file (rl.check, sft.check,
+evaluate.check, scripts/chat.py); the model directory's and the SFT data file's checks. A value
+that cannot work stops the run with one line naming the flag, the value and what is allowed,
+instead of a traceback minutes later (a ZeroDivisionError after the held-out evaluation, an empty
+result that exits 0)."""
 
+import argparse
 import dataclasses
+import inspect
+import io
 import json
 import math
 import os
 import struct
+import tokenize
+
+
+def _bool(text):
+    if text.lower() not in ("1", "0", "true", "false", "yes", "no"):
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    return text.lower() in ("1", "true", "yes")
+
+
+def _field_comments(cls):
+    """field -> the comment on its line in the class source (what --help says of it);
+    {} without source."""
+    try:
+        source = inspect.getsource(cls)
+    except (OSError, TypeError):
+        return {}
+    lines = source.splitlines()
+    comments = {}
+    for t in tokenize.generate_tokens(io.StringIO(source).readline):
+        if t.type == tokenize.COMMENT:
+            name = lines[t.start[0] - 1].split(":")[0].strip()
+            comments[name] = t.string.lstrip("# ").replace("%", "%%")
+    return comments
+
+
+def parse_config(cls, argv, doc="", presets=None):
+    """A `cls` dataclass from --name value / --name=value flags ('-' and '_' alike; a bare bool
+    flag means true). presets: {name: {field: value}}; `--preset NAME` sets those defaults under
+    the explicit flags. `--` (torchrun's separator) is skipped; --help lists every default, with
+    the comment beside the field in the dataclass."""
+    argv = [a for a in argv if a != "--"]
+    values = {}
+    if presets:  # a first pass reads --preset alone, so its values become the defaults --help shows
+        pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+        pre.add_argument("--preset", choices=sorted(presets))
+        values = presets.get(pre.parse_known_args(argv)[0].preset) or {}
+    p = argparse.ArgumentParser(description=doc, allow_abbrev=False,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    if presets:
+        p.add_argument("--preset", choices=sorted(presets), help="named preset of defaults")
+    comments = _field_comments(cls)
+    for f in dataclasses.fields(cls):
+        default = values.get(f.name, f.default)
+        names = sorted({f"--{f.name}", f"--{f.name.replace('_', '-')}"})
+        if type(f.default) is bool:
+            kind = dict(type=_bool, nargs="?", const=True)
+        else:
+            kind = dict(type=type(f.default))
+        help_text = f"{comments.get(f.name, '')} (default: {default!r})".lstrip()
+        p.add_argument(*names, dest=f.name, default=default, help=help_text, **kind)
+    args = vars(p.parse_args(argv))
+    args.pop("preset", None)
+    return cls(**args)
 
 
 def refuse(name, value, allowed):
@@ -104,7 +162,7 @@ def rollout(cfg):
                          "tool_memory_mb"})
     choices(cfg, enable_thinking=("default", "true", "false"))
     if hasattr(cfg, "sandbox_require"):
-        from sandbox_pool import LAYERS
+        from machinery.sandbox_pool import LAYERS
         names = set(cfg.sandbox_require.split(",")) - {""}
         presets = ("default", "floor", "all")
         if cfg.sandbox_require not in presets and (not names or names - set(LAYERS)):
@@ -112,18 +170,7 @@ def rollout(cfg):
                    f"names of {sorted(LAYERS)}, comma-separated")
 
 
-# ---------------------------------------------------------------- the launch and the model's files
-def refuse_bare_srun(env=os.environ):
-    """`srun python rl.py` starts one copy per Slurm task, each unaware of the others (no RANK):
-    N independent runs on one out_dir. Refused, saying how to launch instead. srun sets the
-    step's task count; a batch script's own shell (plain `python rl.py` in it) has none."""
-    tasks = env.get("SLURM_STEP_NUM_TASKS") or "1"
-    if "RANK" not in env and "SLURM_PROCID" in env and int(tasks) > 1:
-        raise SystemExit(f"Slurm task {env['SLURM_PROCID']} of {tasks} without torchrun: each "
-                         f"would train alone; launch one torchrun per node: `srun --ntasks-per-node"
-                         f"=1 torchrun --nnodes $SLURM_NNODES ...` (README: More than one node)")
-
-
+# ---------------------------------------------------------------- the model's files
 def damaged_weights(path):
     """What is wrong with a Hugging Face directory's safetensors files ("FILE: what"), else None:
     each file must hold its header and every tensor the header lists (a truncated copy does not)."""

@@ -1,11 +1,10 @@
-"""confine.py: the Linux calls a sandbox run locks itself down with, through ctypes (stdlib only):
-a seccomp BPF program assembled here, a Landlock ruleset, a private mount namespace (host
-read-only, a tmpfs quota; through a user namespace of its own when not root), a uid of the run's
-own, every capability dropped, a pids cgroup. The floor (seccomp, rlimits, no capabilities) runs
-anywhere; detect() finds out once, in a fresh process, which further layers this machine grants
+"""machinery/sandbox_linux.py: the Linux calls a sandbox run locks itself down with, through ctypes
+(stdlib only): a seccomp BPF program assembled here, a Landlock ruleset, a private mount namespace
+(host read-only, a tmpfs quota; through a user namespace of its own when not root), a uid of the
+run's own, every capability dropped, a pids cgroup. The floor (seccomp, rlimits, no capabilities)
+runs anywhere; detect() finds out once, in a fresh process, which further layers this machine grants
 and, for each it refuses, who refused it. sandbox_worker._child applies them in the order
-sandbox.py's docstring gives.
-"""
+sandbox.py's docstring gives. """
 import contextlib
 import ctypes
 import errno
@@ -495,7 +494,7 @@ def _try_uid(uid: int) -> dict:
 def detect(uid: int) -> dict:
     """Which optional layers this machine grants, each tried as a run uses it (`uid`: the uid a
     run would get), and why not those it refuses. It forks: sandbox_pool.grants() runs it in a
-    fresh process (`python -I -S confine.py UID`)."""
+    fresh process (`python -I -S sandbox_linux.py UID`)."""
     found = {"landlock": landlock_abi(), "landlock_why": None}
     if not found["landlock"]:
         try:

@@ -1,4 +1,5 @@
-"""sandbox_worker.py: what runs in a sandbox worker: the zygote, and the child it forks per run.
+"""machinery/sandbox_worker.py: what runs in a sandbox worker: the zygote, and the child it forks
+per run.
 
 The pool (sandbox_pool.Sandbox) starts each worker as `python -I -S sandbox_worker.py --worker
 CONFIG`: isolated and without `site`, so no .pth file of any site-packages directory runs; the
@@ -11,7 +12,7 @@ installation's site-packages directories come in CONFIG. The pieces, in the orde
 - _child: confines the forked child in the fixed order, then _run_user_code runs the code like
   `python -c` and, if it failed, says so on fd 3 before anything of the run's own runs again.
 - _walk: counts or removes a directory tree without recursion, one descriptor at a time.
-This file imports confine and the standard library only; sandbox_pool imports it, never the
+This file imports sandbox_linux and the standard library only; sandbox_pool imports it, never the
 other way round.
 """
 from __future__ import annotations
@@ -38,12 +39,13 @@ import time
 import traceback
 import types
 
-if __name__ == "__main__":  # a worker runs under `python -I`: no script directory on sys.path
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import confine
-from confine import (MAX_FILES, PR_SET_CHILD_SUBREAPER, PR_SET_DUMPABLE, PR_SET_NO_NEW_PRIVS,
-                     PR_SET_PDEATHSIG, Landlock, drop_capabilities, enter_mount_namespace,
-                     install_seccomp, prctl, readable_paths, seccomp_filter, set_oom_score)
+if __name__ == "__main__":  # a worker runs under `python -I`: no project directory on sys.path
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from machinery import sandbox_linux
+from machinery.sandbox_linux import (MAX_FILES, PR_SET_CHILD_SUBREAPER, PR_SET_DUMPABLE,
+                                     PR_SET_NO_NEW_PRIVS, PR_SET_PDEATHSIG, Landlock,
+                                     drop_capabilities, enter_mount_namespace, install_seccomp,
+                                     prctl, readable_paths, seccomp_filter, set_oom_score)
 
 THIS_FILE = os.path.abspath(__file__)     # what the workers run, whatever the cwd later
 MAX_TASKS = 256                    # tasks per run, the main thread included
@@ -224,7 +226,8 @@ def _zygote_main(config: dict) -> None:
     sock = socket.socket(fileno=config["fd"])
     imported, plan, uid, directory = [], config["plan"], config["uid"], config["dir"]
     if plan["expose"] or plan["hide_proc"]:    # Python reachable by the runs' uid; /proc hidden
-        confine.worker_namespace(plan["expose"], readable_paths() + [directory], plan["hide_proc"])
+        sandbox_linux.worker_namespace(plan["expose"], readable_paths() + [directory],
+                                       plan["hide_proc"])
     if uid is not None and not plan["mount"]:
         os.chown(directory, uid, uid)
     # Children are born in this pids cgroup; moving each run into it instead would take

@@ -118,8 +118,8 @@ def test_sft_checks_its_data_before_writing(empty_cwd, tmp_path):
 
 
 def test_evaluate_refuses_each_bad_value_before_any_work(empty_cwd, problems, monkeypatch):
-    import common
-    monkeypatch.setattr(common, "distributed", None)
+    from machinery import distributed
+    monkeypatch.setattr(distributed, "distributed", None)
     base = ["--model=unused", f"--data={problems}"]
     cases = [([f"--{k}={v}"], k) for k, v in EVAL_BAD.items()] + EVAL_MORE
     said = [refused(evaluate.main, base + flags, flag, empty_cwd) for flags, flag in cases]

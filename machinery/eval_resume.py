@@ -1,4 +1,5 @@
-"""evalresume.py: what `python evaluate.py` may reuse from an earlier run into the same --out.
+"""machinery/eval_resume.py: what `python evaluate.py` may reuse from an earlier run into the same
+--out.
 
 Samples are reused only when everything that changes an answer or its grade is the same: the
 model directory's files (weights, config, tokenizer and chat template), the sampling and tool
@@ -34,10 +35,9 @@ def digest(paths, texts=()):
 
 def grader_source(e):
     """The source of every function and table a grade depends on (e: the evaluate module)."""
-    import answers
-    import codetests
-    parts = [answers, e.score_math, e.score_choice, e.extract_program, e.score_code, e.score,
-             e.extract_pred, codetests]
+    from machinery import code_grading, final_answer
+    parts = [final_answer, e.score_math, e.score_choice, e.extract_program, e.score_code, e.score,
+             e.extract_pred, code_grading]
     return [inspect.getsource(p) for p in parts]
 
 
