@@ -1,19 +1,18 @@
 """model.py: the Qwen2 / Qwen3 decoder in plain PyTorch, shared by the sampler and both trainers.
 
 RMSNorm, rotary embeddings, grouped-query attention, Qwen3's q/k RMSNorm, Qwen2's q/k/v biases,
-SwiGLU, tied or untied embeddings. q/k/v and gate/up are each one matmul (as vLLM fuses them);
-from_pretrained and save_pretrained convert from and to the Hugging Face names and config.json (as
-transformers 4.x or 5.x writes it), loading on the meta device and then tensor by tensor onto the
-target device and dtype. `token_logprobs` computes the logits a chunk of tokens at a time and, in
-backward, recomputes them a block of the vocabulary at a time: never full-vocabulary fp32 logits for
-a whole sequence. Packed input: input_ids [1, N] plus cu_seqlens (cu_seqlens_from_lengths),
-attention inside each sequence (flash-attn varlen where use_flash() picks it, by default on CUDA in
-bf16/fp16 when flash-attn imports; one SDPA call per sequence otherwise). `kv_cache`: any object
-with attend(layer, q, k, v) -> out (rollout.py's paged KV caches). No departure from the paper's
-math. Where the paper samples with vLLM and trains with verl, this one module does both, with the
-same weights; the attention kernels differ (the sampler reads its paged cache, the trainer attends
-over packed sequences), so their log-probs agree to rounding, not bit for bit: rl.py logs the
-difference (mismatch_*). attention_path() says which kernels run here and why.
+SwiGLU, tied or untied embeddings; q/k/v and gate/up each one matmul (fused, as vLLM does).
+from_pretrained and save_pretrained convert from and to the Hugging Face names and config.json
+(transformers 4.x or 5.x), loading on the meta device, then tensor by tensor onto the target.
+`token_logprobs` never makes full-vocabulary fp32 logits for a whole sequence (_ChunkedLogprobs).
+Packed input: input_ids [1, N] plus cu_seqlens (cu_seqlens_from_lengths), attention inside each
+sequence (flash-attn varlen where use_flash() picks it, else one SDPA call per sequence).
+`kv_cache`: any object with attend(layer, q, k, v) -> out (rollout.py's paged KV caches).
+No departure from the paper's math. Where the paper samples with vLLM and trains with verl, this
+one module does both, with the same weights; the attention kernels differ (the sampler reads its
+paged cache, the trainer attends over packed sequences), so their log-probs agree to rounding, not
+bit for bit: rl.py measures the difference (sampler_mismatch). attention_path() says which
+kernels run here and why.
 """
 
 import json
@@ -111,8 +110,7 @@ class RMSNorm(nn.Module):
 
 
 def rope_cos_sin(positions, head_dim, theta, dtype):
-    """positions [B, T] -> cos, sin [B, T, 1, D];
-    sin carries the rotate-half sign (- on the first half)."""
+    """positions [B, T] -> cos, sin [B, T, 1, D]; sin carries rotate-half's sign (apply_rope)."""
     exponents = torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim
     inv_freq = 1.0 / theta ** exponents
     freqs = positions[..., None].float() * inv_freq  # [B, T, D/2]
@@ -123,8 +121,7 @@ def rope_cos_sin(positions, head_dim, theta, dtype):
 
 
 def apply_rope(x, cos, sin):
-    # rotate-half: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin);
-    # roll gives (x2, x1), sin has the sign
+    # rotate-half: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin); roll gives (x2, x1), sin the sign
     return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
 
 
@@ -146,10 +143,9 @@ def attention_path(backend, device, dtype):
     if use_flash(backend, device, dtype):
         return ("attention: flash-attn (varlen training, paged KV decode in blocks of 256 "
                 "with CUDA graphs)")
-    on_gpu = torch.device(device).type == "cuda" and dtype in (torch.float16, torch.bfloat16)
     if backend != "auto":
         why = f"attn_backend={backend}"
-    elif on_gpu:
+    elif torch.device(device).type == "cuda" and dtype in (torch.float16, torch.bfloat16):
         why = f"flash-attn does not import ({FLASH_ERROR})"
     else:
         why = f"flash-attn needs CUDA in bf16/fp16, here {torch.device(device).type} {dtype}"
@@ -196,9 +192,8 @@ def attention(q, k, v, packed=None, backend="auto"):
         out = sdpa(q, k, v)
     else:  # one causal attention per packed sequence, never across them
         bounds = packed[1]
-        outs = [sdpa(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e])
-                for s, e in zip(bounds, bounds[1:])]
-        out = torch.cat(outs, 2)
+        out = torch.cat([sdpa(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e])
+                         for s, e in zip(bounds, bounds[1:])], 2)
     return out.transpose(1, 2)
 
 
@@ -212,11 +207,8 @@ class Linear(nn.Linear):
     def forward(self, x):
         if self.weight_t is None:
             return F.linear(x, self.weight, self.bias)
-        flat = x.reshape(-1, x.shape[-1])
-        if self.bias is None:
-            out = flat @ self.weight_t
-        else:
-            out = torch.addmm(self.bias, flat, self.weight_t)
+        flat, wt = x.reshape(-1, x.shape[-1]), self.weight_t
+        out = flat @ wt if self.bias is None else torch.addmm(self.bias, flat, wt)
         return out.view(*x.shape[:-1], out.shape[-1])
 
 
@@ -309,10 +301,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_h = torch.zeros(h.shape, dtype=torch.float32, device=h.device) if need_h else None
         grad_w = torch.empty_like(weight) if need_w else None
-        if g_logp is None:
-            g_logp = torch.zeros(N, 1, device=h.device)
-        else:
-            g_logp = g_logp.float()[:, None]                             # [N, 1]
+        g_logp = torch.zeros(N, 1, device=h.device) if g_logp is None else g_logp.float()[:, None]
         g_ent = None if g_ent is None else g_ent.float()[:, None]
         cols = max(1, ctx.block_bytes // (4 * N))
         for c in range(0, V, cols):
@@ -472,9 +461,8 @@ class Transformer(nn.Module):
         os.makedirs(path, exist_ok=True)
         cfg = self.config
         state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
-        q_size = cfg.num_attention_heads * cfg.head_dim
-        kv_size = cfg.num_key_value_heads * cfg.head_dim
-        sizes = {"qkv_proj": [q_size, kv_size, kv_size],
+        d = cfg.head_dim
+        sizes = {"qkv_proj": [cfg.num_attention_heads * d] + [cfg.num_key_value_heads * d] * 2,
                  "gate_up_proj": [cfg.intermediate_size] * 2}
         # the fused tensors -> HF names (views)
         for key in [k for k in state if k.rsplit(".", 2)[-2] in FUSED]:
@@ -484,26 +472,21 @@ class Transformer(nn.Module):
         if cfg.tie_word_embeddings:
             state.pop("lm_head.weight", None)
         dtype_name = {v: k for k, v in DTYPES.items()}[next(iter(state.values())).dtype]
-        shards = [{}]
-        size = 0  # bytes in the last shard
+        shards, size = [{}], 0  # size: bytes in the last shard
         for key, t in state.items():
-            # a new shard when this tensor would take the current one past the limit
-            if shards[-1] and size + t.nbytes > max_shard_bytes:
-                shards.append({})
-                size = 0
+            if shards[-1] and size + t.nbytes > max_shard_bytes:  # t would take it past the limit
+                shards, size = shards + [{}], 0
             shards[-1][key] = t
             size += t.nbytes
         for stale in os.listdir(path):  # a re-save with another shard count must not leave old ones
             if stale.startswith("model") and stale.endswith((".safetensors", ".index.json")):
                 os.remove(os.path.join(path, stale))
-        count = len(shards)
-        if count == 1:
-            names = ["model.safetensors"]
-        else:
-            names = [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+        n = len(shards)
+        names = [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+        names = names if n > 1 else ["model.safetensors"]
         for name, shard in zip(names, shards):
             save_file(shard, os.path.join(path, name), metadata={"format": "pt"})
-        if len(shards) > 1:
+        if n > 1:
             index = {"metadata": {"total_size": sum(t.nbytes for t in state.values())},
                      "weight_map": {k: n for n, s in zip(names, shards) for k in s}}
             with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:

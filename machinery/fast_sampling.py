@@ -1,20 +1,16 @@
-"""machinery/fast_sampling.py: the fast paths of rollout.py's paged KV cache, which a first reading
-can skip.
+"""machinery/fast_sampling.py: the fast paths of rollout.py's paged KV cache (a first reading can
+skip them). rollout.PagedKVCache is the reference (paging, prefix sharing, preemption); what is
+here changes where K/V is read from, not what attention computes:
 
-rollout.PagedKVCache is the reference: it explains paging, prefix sharing and preemption. What is
-here only makes it faster: it changes where K/V is read from, not what attention computes.
-
-- RowKVCache (the default without flash-attn, CPU or CUDA): decoding rows kept contiguous between
-  steps, so a decode step reads them instead of gathering every block again.
-- FlashKVCache (flash-attn on CUDA): flash-attn reads the pools through the block tables; a decode
-  step runs at a fixed batch size per bucket (`bucket`), captured once as a CUDA graph
-  (`cuda_graph`) and replayed.
-- CpuForward: the CPU speed-ups of the model call (transposed weight copies, torch.compile).
+- RowKVCache (without flash-attn, CPU or CUDA): decoding rows kept contiguous between steps.
+- FlashKVCache (flash-attn on CUDA): flash-attn reads the pools through the block tables; decode
+  steps run at a fixed batch size per `bucket`, each captured once as a CUDA graph and replayed.
+- CpuForward: the model call's CPU speed-ups (transposed weight copies, torch.compile).
 - upload: host lists to the device through pinned memory, so the copy does not sync.
 
-The cut: this file imports only torch and model.py, never rollout.py. The two caches are mixins
-written over the plain cache's methods (they call super() for all they leave alone); `kv_cache`, the
-one factory, is handed rollout.PagedKVCache by the Engine and mixes the chosen fast path over it.
+This file imports only torch and model.py, never rollout.py: the two caches are mixins over the
+plain cache's methods (super() for all they leave alone), and `kv_cache`, handed
+rollout.PagedKVCache by the Engine, mixes the chosen one over it.
 """
 
 import contextlib
@@ -35,11 +31,10 @@ def upload(values, device, dtype=None):
 
 def kv_cache(paged, config, num_blocks, block_size, device, dtype, flash, row_budget, max_batch,
              max_seq_lens):
-    """The cache an Engine runs on: paged (rollout.PagedKVCache, passed in so that this file need
-    not import rollout.py) with one fast path mixed in. flash (the Engine's use_flash):
-    FlashKVCache, its decode steps bucketed up to max_batch rows and tables as wide as the longest
-    of max_seq_lens needs; else RowKVCache, its row buffers holding at most row_budget token
-    positions (0: decode gathers blocks, as the plain path does)."""
+    """The cache an Engine runs on: paged (rollout.PagedKVCache) with one fast path mixed in. flash
+    (the Engine's use_flash): FlashKVCache, decode steps bucketed up to max_batch rows, tables as
+    wide as the longest of max_seq_lens needs; else RowKVCache, its row buffers holding at most
+    row_budget token positions (0: decode gathers blocks, as the plain path does)."""
     if flash:
         longest = max(max_seq_lens) if max_seq_lens else config.max_position_embeddings
         return _over(FlashKVCache, paged)(config, num_blocks, block_size, device, dtype,
@@ -76,10 +71,8 @@ class RowKVCache:
             return self.rows  # last step's rows, one token longer each (self.rows keeps ids alive)
         rows, step = sorted(batch, key=len, reverse=True), self.row_headroom
         capacity = -(-(len(rows[0]) + step) // step) * step
-        if len(rows) * capacity <= self.row_budget:
-            self.rows, self.row_cached = rows, None
-        else:
-            self.rows, self.row_cached = None, {}
+        fits = len(rows) * capacity <= self.row_budget
+        self.rows, self.row_cached = (rows, None) if fits else (None, {})
         _, have_rows, _, have_capacity, _ = self.row_kv[0].shape
         if self.rows and (len(rows) > have_rows or capacity > have_capacity):
             if capacity > have_capacity:  # geometric growth: a long decode reallocates log(n) times
@@ -87,8 +80,7 @@ class RowKVCache:
             self.row_kv = None  # free the old buffers first
             _, _, _, hkv, d = self.kv[0].shape
             self.row_kv = [torch.zeros(2, len(rows), hkv, capacity, d, device=self.device,
-                                       dtype=p.dtype)
-                           for p in self.kv]
+                                       dtype=p.dtype) for p in self.kv]
         self.stale = True  # refill from the pool before the step
         return rows
 
@@ -124,8 +116,7 @@ class RowKVCache:
 
 
 def bucket(n):
-    """The batch size a flash decode step runs at: the next power of two (a CUDA graph is captured
-    per bucket)."""
+    """A flash decode step's batch size: the next power of two (one CUDA graph per bucket)."""
     return 1 << (n - 1).bit_length()
 
 
@@ -172,8 +163,8 @@ class FlashKVCache:
         self.graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
 
     def new_rollout(self, model):
-        """The CUDA graphs dropped if the weights moved (FSDP gathers them into new memory for every
-        rollout), since a graph replays the addresses it was captured with."""
+        """The CUDA graphs dropped if the weights moved (FSDP2 gathers them anew for every rollout,
+        maybe at other addresses), since a graph replays the addresses it was captured with."""
         weights_at = [p.data_ptr() for p in model.parameters()]
         if weights_at != self.weights_at:
             self.reset_graphs()
@@ -256,8 +247,8 @@ class FlashKVCache:
         return out.reshape(shape)
 
 
-# Optimizer steps taken in this process. FSDP2 gathers updated weights into the same storage and
-# keeps their version counter, so address and version alone miss an update; the step count doesn't.
+# Optimizer steps taken in this process. FSDP2 gathers updated weights into the same parameters,
+# keeping their version counter and often their address: those two alone miss an update.
 OPTIMIZER_STEPS = [0]
 
 
