@@ -1,57 +1,50 @@
 """The prompt texts DemyAgent-4B and Qwen3-4B-RA-SFT were trained and evaluated with.
 
 Every string is upstream's, character for character (typos such as "sumbit" and the stray quote
-after "# YOUR CODE HERE" included): they are data the checkpoints saw. Source:
-Gen-Verse/Open-AgentRL, recipe/demystify/reward.py (module constants, CustomRLHFDataset's map
-functions), read from the public copy Tianshi-Xu/Open-AgentRL at commit 627a2844; the same text
-stands in Blackteaxx/DemyAgent, jianghoucheng/Agent_On_Policy_Distillation and wencanning/test-opd.
-That fork's commit 1f781221 has other MATH_1, MATH_2 and AGENT texts, in no other copy: taken as
-its own experiment. Each builder names its map function. rollout.py renders the text as the user
-turn; a row's system turn stays a system turn.
+after "# YOUR CODE HERE" included): they are data the checkpoints saw. Source: Gen-Verse/Open-AgentRL,
+recipe/demystify/reward.py (module constants, CustomRLHFDataset's map functions), read from the
+public copy Tianshi-Xu/Open-AgentRL at commit 627a2844; the same text stands in Blackteaxx/DemyAgent,
+jianghoucheng/Agent_On_Policy_Distillation and wencanning/test-opd. That fork's commit 1f781221 has
+other MATH_1, MATH_2 and AGENT texts, in no other copy: taken as its own experiment. Each builder
+names its map function. rollout.py renders the text as the user turn; a row's system turn stays
+a system turn.
 
 CODE_INTERPRETER is the code tool's schema as the models saw it in their system turn: the texts of
 recipe/demystify/sandbox_fusion_tool_config.yaml, in the key order verl's pydantic model
-OpenAIFunctionToolSchema dumps them (type, function: name, description, parameters: type,
-properties, required; no unset keys), which is also the order of the tools column of
-Open-AgentRL-SFT-3K.
+OpenAIFunctionToolSchema dumps them (type, function: name, description, parameters: type, properties,
+required; no unset keys), which is also the order of the tools column of Open-AgentRL-SFT-3K.
 """
 
-# Upstream's names: ANSWER_FORMAT answer_format, MATH_1 / MATH_2 math_prompt_1 / 2, AGENT
-# agent_prompt; GPQA_START map_fn_gpqa's prompt_1, GPQA_LETTER its suffix; LCB_START, LCB_CODE,
-# LCB_EXAMPLES map_lcb's start_prompt, code_prompt, public_examples; SUBMIT_CODE in map_lcb and
-# map_fn_skywork; UNITS_DAPO map_fn2's; UNITS_SKYWORK map_fn_skywork's (math rows).
-ANSWER_FORMAT = ("\nRemember once you make sure the current answer is your final answer, do not "
-                 "call the tools again and directly output the final answer in the following text "
-                 "format, the answer format must be: \\boxed{'The final answer goes here.'}.")
-MATH_1 = "Analyze and solve the following math problem step by step. \n\n"
-MATH_2 = ("\n\nThe tool could be used for more precise and efficient calculation and could help "
-          "you to verify your result before you reach the final answer.")
-AGENT = ("\n\n**Note: You should first analyze the problem and form a high-level solution "
-         "strategy, then utilize the tools to help you solve the problem.**")
+ANSWER_FORMAT = ("\nRemember once you make sure the current answer is your final answer, do not call the tools again "
+                 "and directly output the final answer in the following text format, the answer format must be: "
+                 "\\boxed{'The final answer goes here.'}.")  # answer_format
+MATH_1 = "Analyze and solve the following math problem step by step. \n\n"  # math_prompt_1
+MATH_2 = ("\n\nThe tool could be used for more precise and efficient calculation and could help you to verify "
+          "your result before you reach the final answer.")  # math_prompt_2
+AGENT = ("\n\n**Note: You should first analyze the problem and form a high-level solution strategy, then utilize "
+         "the tools to help you solve the problem.**")  # agent_prompt
 
-GPQA_START = "Analyze and solve the following {domain} problem step by step. \n\n"
-GPQA_LETTER = ("\n Here you need to put the final uppercase letter option of this problem "
-               "into \\boxed{}")
-LCB_START = ("You will be given a question (problem specification) and will generate a correct "
-             "Python program that matches the specification and passes all tests.\n\n")
-LCB_CODE = ("\n\nRead the inputs from stdin solve the problem and write the answer to stdout (do "
-            "not directly test on the sample inputs). Enclose your code within delimiters as "
-            "follows. Ensure that when the python program runs, it reads the inputs, runs the "
-            "algorithm and writes output to STDOUT.\n```python\n# YOUR CODE HERE\n\"")
-LCB_EXAMPLES = "\nHere are some input and output examples of the expected code:\nInput:"
-SUBMIT_CODE = ("\nBefore sumbit your code, you can utilize tools to check the correctness of your "
-               "code, once you make sure the current code is correct, do not call the tools again "
-               "and submit your code within ```python\n# YOUR CODE HERE\n```.")
-UNITS_DAPO = ("\nDo not put units of the final answer inside \\boxed{}. The content of \\boxed{} "
-              "should be the numerical value of the final answer only, without any units.")
-UNITS_SKYWORK = ("\nDo not put units of the final answer inside \\boxed{}. The content of "
-                 "\\boxed{} should be the final numerical value of the final answer only, without "
-                 "any units.")
+GPQA_START = "Analyze and solve the following {domain} problem step by step. \n\n"  # map_fn_gpqa prompt_1
+GPQA_LETTER = "\n Here you need to put the final uppercase letter option of this problem into \\boxed{}"  # map_fn_gpqa
+LCB_START = ("You will be given a question (problem specification) and will generate a correct Python program that "
+             "matches the specification and passes all tests.\n\n")  # map_lcb start_prompt
+LCB_CODE = ("\n\nRead the inputs from stdin solve the problem and write the answer to stdout (do not directly test "
+            "on the sample inputs). Enclose your code within delimiters as follows. Ensure that when the python "
+            "program runs, it reads the inputs, runs the algorithm and writes output to STDOUT.\n```python\n"
+            "# YOUR CODE HERE\n\"")  # map_lcb code_prompt
+LCB_EXAMPLES = "\nHere are some input and output examples of the expected code:\nInput:"  # map_lcb public_examples
+SUBMIT_CODE = ("\nBefore sumbit your code, you can utilize tools to check the correctness of your code, once you "
+               "make sure the current code is correct, do not call the tools again and submit your code within "
+               "```python\n# YOUR CODE HERE\n```.")  # map_lcb, map_fn_skywork
+UNITS_DAPO = ("\nDo not put units of the final answer inside \\boxed{}. The content of \\boxed{} should be the "
+              "numerical value of the final answer only, without any units.")  # map_fn2
+UNITS_SKYWORK = ("\nDo not put units of the final answer inside \\boxed{}. The content of \\boxed{} should be the "
+                 "final numerical value of the final answer only, without any units.")  # map_fn_skywork, math rows
 
 CODE_INTERPRETER = {"type": "function", "function": {
     "name": "code_interpreter", "description": "A tool for executing code.",
-    "parameters": {"type": "object", "properties": {
-        "code": {"type": "string", "description": "The code to execute."}}, "required": ["code"]}}}
+    "parameters": {"type": "object", "properties": {"code": {"type": "string", "description": "The code to execute."}},
+                   "required": ["code"]}}}
 
 
 def aime(problem):
