@@ -62,21 +62,20 @@ def is_heldout(problem, heldout_share=0.2):
     return h % 1000 < heldout_share * 1000
 
 
-def make_problems(n, split, seed=0, kinds=KINDS, digits=3):
-    """n distinct problems from `split` ("train" or "heldout"), kinds in rotation."""
+def make_problems(n, split, seed=0, digits=3):
+    """n distinct problems from `split` ("train" or "heldout"), the KINDS in rotation."""
     if split not in ("train", "heldout"):
         raise ValueError(f"split must be 'train' or 'heldout', not {split!r}")
-    rng = random.Random(f"{split}-{seed}")
-    seen, out, tries = set(), [], 0
-    while len(out) < n:
-        tries += 1
-        if tries > 100 * n + 10_000:
-            raise ValueError(f"cannot draw {n} distinct {split} problems of {digits} digits: raise --digits or lower n")
-        p = make_problem(rng, kinds[len(out) % len(kinds)], digits)
-        if is_heldout(p) == (split == "heldout") and p["prompt"] not in seen:
-            seen.add(p["prompt"])
-            out.append(p)
-    return out
+    rng, out = random.Random(f"{split}-{seed}"), {}  # prompt -> problem
+    for _ in range(100 * n + 10_000):  # draws allowed
+        if len(out) == n:
+            break
+        p = make_problem(rng, KINDS[len(out) % len(KINDS)], digits)
+        if is_heldout(p) == (split == "heldout"):
+            out.setdefault(p["prompt"], p)
+    if len(out) < n:
+        raise ValueError(f"cannot draw {n} distinct {split} problems of {digits} digits: raise --digits or lower n")
+    return list(out.values())
 
 
 def _guess(rng, answer):

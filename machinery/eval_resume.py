@@ -1,11 +1,9 @@
 """machinery/eval_resume.py: what `python evaluate.py` may reuse from an earlier run into the same
---out.
-
-Samples are reused only when everything that changes an answer or its grade is the same: the
-model directory's files (weights, config, tokenizer and chat template), the sampling and tool
-settings, the problem files, and the graders' source. The key of those lies in
-<out>/resume_key.json; a run with another key moves the old trajectories aside
-(trajectories*.jsonl.replaced) and starts fresh, and one line says which it did and why."""
+--out: samples, only when everything that changes an answer or its grade is the same (the model
+directory's files: weights, config, tokenizer, chat template; the sampling and tool settings; the
+problem files; the graders' source). Their key lies in <out>/resume_key.json; a run with another
+key moves the old trajectories aside (trajectories*.jsonl.replaced) and starts fresh; one line
+says which it did and why."""
 
 import glob
 import hashlib
@@ -20,7 +18,7 @@ SETTINGS = ("n", "temperature", "top_p", "top_k", "max_prompt_tokens", "max_resp
             "attn_backend")
 
 
-def digest(paths, texts=()):
+def digest(paths=(), texts=()):
     """sha256 over each file's name and bytes, then the texts."""
     h = hashlib.sha256()
     for path in paths:
@@ -33,25 +31,19 @@ def digest(paths, texts=()):
     return h.hexdigest()
 
 
-def grader_source(e):
-    """The source of every function and table a grade depends on (e: the evaluate module)."""
+def key(cfg, device, e):
+    """What the samples in --out must have been made with to be reused. e: the evaluate module
+    (passed in, so this file does not import it), for the source of every function and table a
+    grade depends on."""
     from machinery import code_grading, final_answer
-    parts = [final_answer, e.score_math, e.score_choice, e.extract_program, e.score_code, e.score,
-             e.extract_pred, code_grading]
-    return [inspect.getsource(p) for p in parts]
-
-
-def key(cfg, device, evaluate):
-    """What the samples in --out must have been made with to be reused (evaluate: the evaluate
-    module, whose graders are hashed; passed in, so this file does not import it)."""
     names = [b.strip() for b in cfg.benchmarks.split(",") if b.strip()]
-    problems = [cfg.data] if cfg.data else [os.path.join(cfg.data_dir, f"{b}.jsonl")
-                                            for b in names]
+    problems = [cfg.data] if cfg.data else [os.path.join(cfg.data_dir, f"{b}.jsonl") for b in names]
     model = sorted(p for p in glob.glob(os.path.join(cfg.model, "*")) if os.path.isfile(p))
-    settings = {k: getattr(cfg, k) for k in SETTINGS}
+    graders = [final_answer, e.score_math, e.score_choice, e.extract_program, e.score_code, e.score,
+               e.extract_pred, code_grading]
     return {"model weights": digest(model), "problem files": digest(problems),
-            "sampling settings": dict(settings, device=device.type),
-            "grader": digest([], grader_source(evaluate))}
+            "sampling settings": dict({k: getattr(cfg, k) for k in SETTINGS}, device=device.type),
+            "grader": digest(texts=[inspect.getsource(g) for g in graders])}
 
 
 def reuse_or_start_fresh(out_dir, current):

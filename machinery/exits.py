@@ -1,6 +1,5 @@
-"""machinery/exits.py: how rl.py, sft.py and evaluate.py leave. Ctrl-C: one line saying where the
-work is kept and how to go on, exit status 130, no traceback from wherever the run was. A torchrun
-worker whose run ended well: exit_worker."""
+"""machinery/exits.py: how rl.py, sft.py and evaluate.py leave: after Ctrl-C (quiet_interrupt), and
+as a torchrun worker whose run ended well (exit_worker)."""
 
 import contextlib
 import os
@@ -10,8 +9,8 @@ import sys
 @contextlib.contextmanager
 def quiet_interrupt(say):
     """Ctrl-C: one line on rank 0, say() (where the work is kept and how to go on), and exit
-    status 130, instead of a traceback from wherever the run was (the sandbox pool closes at
-    exit, cancelling its queued runs)."""
+    status 130, not a traceback from wherever the run was (the sandbox pool closes at exit,
+    cancelling its queued runs)."""
     try:
         yield
     except BaseException as e:
@@ -41,11 +40,11 @@ def resume_line(stage, out_dir, resume="the same command"):
     """What quiet_interrupt says for a trainer: its newest resumable checkpoint and the command
     that resumes from it; without one, that the same command starts again."""
     from machinery.checkpoints import checkpoints
-    found = checkpoints(out_dir, resumable=True)
-    if not found:
+    if not (found := checkpoints(out_dir, resumable=True)):
         return f"{stage}: interrupted before its first checkpoint; the same command starts again"
-    return (f"{stage}: interrupted; the newest checkpoint is {found[-1][1]} (step "
-            f"{found[-1][0]}); {resume} resumes from it")
+    step, path = found[-1]
+    return (f"{stage}: interrupted; the newest checkpoint is {path} (step {step}); {resume} "
+            "resumes from it")
 
 
 def exit_worker():

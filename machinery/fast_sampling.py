@@ -142,9 +142,8 @@ def cuda_graph(fn, pool, stream):
 class FlashKVCache:
     """Fast path 2 (flash-attn on CUDA, blocks of 256): flash-attn reads the pools through the block
     tables, a prefill with flash_attn_varlen_func, a decode step with flash_attn_with_kvcache. A
-    decode step (`decode_step`, which the Engine calls instead of begin and the model) is laid out
-    by begin_bucketed in static buffers at a fixed batch size per bucket (the next power of two),
-    so it is captured once per bucket as a CUDA graph and replayed."""
+    decode step (decode_step: the Engine calls it instead of begin and the model) is laid out in
+    static buffers at its bucket's batch size, so it is captured once per bucket as a CUDA graph."""
 
     def __init__(self, config, num_blocks, block_size, device, dtype, max_batch, longest):
         super().__init__(config, num_blocks, block_size, device, dtype)
@@ -193,9 +192,8 @@ class FlashKVCache:
         return self.graphs[b]()[:len(batch)]
 
     def begin_bucketed(self, batch):
-        """Lay out a decode step in static buffers at the bucket's batch size; returns the bucket.
-        Padded rows write the spare block and read one token of it, so real rows see nothing of
-        them."""
+        """Lay out a decode step in static buffers at its bucket's batch size; returns the bucket.
+        Padded rows write the spare block and read one token of it: real rows never see them."""
         n, b, dev = len(batch), bucket(len(batch)), self.device
         if self.static is None:  # ids, positions, slots, lengths; block tables (int32 for flash)
             rows = bucket(self.max_batch)
