@@ -437,7 +437,7 @@ def main(argv=None):
         raise SystemExit(f"{args.run_dir}: not a directory")
     page = render(args.run_dir, args.tokenizer, args.steps, args.max_steps, args.max_mb, args.top)
     out = args.out or os.path.join(args.run_dir, "view.html")
-    with open(out, "w", encoding="utf-8", errors="backslashreplace") as f:   # a lone surrogate: \ud800
+    with open(out, "w", encoding="utf-8", errors="backslashreplace") as f:   # lone surrogates
         f.write(page)
     print(f"wrote {out} ({os.path.getsize(out) / 1e6:.2f} MB)")
 

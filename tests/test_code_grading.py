@@ -135,7 +135,8 @@ def test_nested_tuples_decode_in_linear_work():
     """4,000 nested 1-tuples took 119 s (cubic): now a chain is built in one pass, and one over
     100 deep is refused (hashing it would recurse in C with no limit: a crash in a set)."""
     shallow = nested(90)
-    assert within(50 * 90, code_grading._decode, code_grading._encode(shallow, set()), {}) == shallow
+    table = code_grading._encode(shallow, set())
+    assert within(50 * 90, code_grading._decode, table, {}) == shallow
     for depth in (1000, 4000):
         with pytest.raises(ValueError, match="too deep"):
             within(50 * depth, code_grading._decode, code_grading._encode(nested(depth), set()), {})
@@ -175,10 +176,9 @@ def test_a_value_too_large_is_refused_before_it_is_parsed():
     big = SimpleNamespace(ok=True, stdout=marker + "[" + "[]," * (2_700_000) + "[]]")
     assert peak_bytes(code_grading._call_passed, big, marker, "[]", False) < 2 * len(big.stdout)
     assert not code_grading._call_passed(big, marker, "[]", False)
-    table = code_grading._encode(list(range(code_grading.MAX_VALUES - 10)), set())
-    fits = SimpleNamespace(ok=True, stdout=marker + table)
-    assert code_grading._call_passed(fits, marker, json.dumps(list(range(code_grading.MAX_VALUES - 10))),
-                                     False)
+    many = list(range(code_grading.MAX_VALUES - 10))
+    fits = SimpleNamespace(ok=True, stdout=marker + code_grading._encode(many, set()))
+    assert code_grading._call_passed(fits, marker, json.dumps(many), False)
     cycle = [1]
     cycle.append(cycle)
     looped = SimpleNamespace(ok=True, stdout=marker + code_grading._encode(cycle, set()))
@@ -217,8 +217,9 @@ def livecodebench_rule(got, expected):
 def test_stdin_comparison_is_livecodebench_rule():
     import random
     rng = random.Random(0)
-    pieces = ["1", "1.0", "01", "-0", "0", "2", "1e3", "1000", "nan", "NaN", "sNaN", "inf", "Infinity",
-              "a", "3.50", "3.5", " ", "  ", "\t", "\u00a0", "\u2003", "\n", "\r\n", "", "1_0", "10"]
+    pieces = ["1", "1.0", "01", "-0", "0", "2", "1e3", "1000", "nan", "NaN", "sNaN", "inf", "a",
+              "Infinity", "3.50", "3.5", " ", "  ", "\t", "\u00a0", "\u2003", "\n", "\r\n", "",
+              "1_0", "10"]
     for _ in range(3000):
         got = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 8)))
         want = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 8)))
@@ -279,12 +280,13 @@ def test_a_forged_record_costs_no_further_round(box, monkeypatch):
     """A solution that rewrites the records its run sends (here: every call's arguments) made its
     check line ask again for the same call, round after round up to MAX_ROUNDS (17 runs); a call
     is now asked for once, and a run that did not make the call it was given fails the line."""
-    row = {"fn_name": None, "cases": [], "entry_point": "f", "import_prefix": "def g(x):\n    return x\n",
+    row = {"fn_name": None, "cases": [], "entry_point": "f",
+           "import_prefix": "def g(x):\n    return x\n",
            "test_code": "def check(candidate):\n    assert g(candidate(1)) == 2\n"
                         "    assert g(candidate(candidate(1))) == 3\n"}
     honest = "def f(x):\n    return x + 1\n"
     forged = ("import __main__\nreal = __main__._encode\n"
-              "__main__._encode = lambda value, classes: real(('forged', value), classes)\n" + honest)
+              "__main__._encode = lambda value, names: real(('forged', value), names)\n" + honest)
     runs, submit = [], box.submit
     monkeypatch.setattr(box, "submit", lambda *a, **kw: runs.append(1) or submit(*a, **kw))
     assert code_grading.run_tests(honest, row, timeout=5, sandbox=box) == [True, True]
@@ -292,5 +294,6 @@ def test_a_forged_record_costs_no_further_round(box, monkeypatch):
     # then two rounds of a solution run and a test's run
     assert len(runs) == 2 + 5
     runs.clear()
-    assert code_grading.run_tests(forged, row, timeout=5, sandbox=box, stop_on_failure=True) == [False] * 2
+    graded = code_grading.run_tests(forged, row, timeout=5, sandbox=box, stop_on_failure=True)
+    assert graded == [False] * 2
     assert len(runs) <= 4
