@@ -6,8 +6,8 @@ them; only the trainer's side of grading is measured.
 
     python scripts/bench_grading.py [--old COMMIT] [--quick]
 
-An old measurement is skipped (a dash) where its smaller size, grown quadratically, would take
-over --patience seconds. A turn (the tool-call parser's input) is measured up to 240 KiB: 20,480
+An old measurement is skipped (a dash) where its smaller size took over a second and, grown
+quadratically, would take over --patience seconds. A turn (the tool-call parser's input) is measured up to 240 KiB: 20,480
 one-token tags of 12 characters. RSS growth is VmHWM after the case less VmRSS before it (the peak
 reset through /proc/self/clear_refs).
 """
@@ -155,7 +155,7 @@ def main():
 
     def old_run(name, size, fn):
         seen, took = last.get(name, (size, 0.0))
-        if took * (size / seen) ** 2 > args.patience:
+        if took > 1.0 and took * (size / seen) ** 2 > args.patience:
             return None
         result = measure(lambda: quietly(fn))
         last[name] = (size, result[0])
