@@ -22,6 +22,7 @@ import re
 import secrets
 from concurrent.futures import FIRST_COMPLETED, wait
 from decimal import Decimal, InvalidOperation
+from itertools import zip_longest
 
 # stdout and stderr kept per test run: one fixed cap, never derived from a test
 GRADING_OUTPUT_LIMIT = 8 << 20
@@ -72,15 +73,12 @@ def _same_output(got, expected):
 
 
 def _same_numbers(got, expected):
-    """[Decimal(t) for t in got.split()] == the same of expected, token by token."""
-    tokens = re.finditer(r"\S+", got)      # \s is str.split()'s whitespace
+    """[Decimal(t) for t in got.split()] == the same of expected, token by token (\\s is split()'s
+    whitespace): never more Decimals than the expected line holds, plus one."""
     try:
-        for want in expected.split():
-            token = next(tokens, None)
-            if token is None or Decimal(token.group()) != Decimal(want):
-                return False
-        return next(tokens, None) is None
-    except InvalidOperation:             # not a number (or a signalling NaN compared)
+        return all(t is not None and w is not None and Decimal(t.group()) == Decimal(w)
+                   for t, w in zip_longest(re.finditer(r"\S+", got), expected.split()))
+    except InvalidOperation:           # not a number (or a signalling NaN compared)
         return False
 
 
@@ -165,8 +163,7 @@ def _decode(text, classes):
     if text.count(",") + text.count("[") + text.count("{") > MAX_VALUES:
         raise ValueError(f"more than {MAX_VALUES} values")   # counted before any is parsed
     root, nodes = _json.loads(text)
-    missing, opened = object(), set()
-    built, depth = [missing] * len(nodes), [0] * len(nodes)
+    missing, opened, depth = object(), set(), [0] * len(nodes)
     def get(a):
         if type(a) is list:
             if built[a[0]] is missing:
@@ -179,21 +176,14 @@ def _decode(text, classes):
         if len(items) - len(set(map(hash, items))) > 64:
             raise ValueError("values that share one hash")
         return items
-    makers = {"list": list, "dict": dict, "set": set}
-    for k, entry in enumerate(nodes):
-        tag = entry[0]
-        if tag in makers:
-            built[k] = makers[tag]()
-        elif tag == "int":
-            built[k] = int(entry[1], 16)
-        elif tag == "complex":
-            built[k] = complex(float(entry[1]), float(entry[2]))
-        elif tag == "bytes":
-            built[k] = bytes.fromhex(entry[1])
-        elif tag == "obj":
-            built[k] = object.__new__(classes[entry[1]])
-        elif tag not in ("tuple", "frozenset"):
-            raise ValueError(f"unknown node {tag!r}")
+    makers = {"list": lambda e: [], "dict": lambda e: {}, "set": lambda e: set(),
+              "tuple": lambda e: missing, "frozenset": lambda e: missing,    # built below
+              "int": lambda e: int(e[1], 16), "bytes": lambda e: bytes.fromhex(e[1]),
+              "complex": lambda e: complex(float(e[1]), float(e[2])),
+              "obj": lambda e: object.__new__(classes[e[1]])}
+    def unknown(entry):
+        raise ValueError(f"unknown node {entry[0]!r}")
+    built = [makers.get(entry[0], unknown)(entry) for entry in nodes]
     for k in range(len(nodes)):        # tuples and frozensets after what they hold: depth first,
         todo = [k]                     # each node opened once (~j: its items are built)
         while todo:
