@@ -741,9 +741,9 @@ def parse_json(text, max_depth=64):
 def parse_tool_calls(text, max_calls=1):
     """The calls of one assistant turn, in order: (name, arguments, refusal), refusal None or the
     reply to a malformed call. The blocks verl's HermesToolParser finds, <tool_call>(.*?)
-    </tool_call>, in one pass: of those that parse (a JSON object with a "name"; arguments given as
-    a JSON string decoded) the first max_calls (verl's max_parallel_calls), and of the others too,
-    each with an error reply (verl drops them); a <tool_call> left open gets one as well."""
+    </tool_call>, in one pass: the first max_calls that parse (a JSON object with a "name";
+    arguments given as a JSON string decoded; verl's max_parallel_calls), and the first max_calls
+    that do not, each with an error reply (verl drops them), as is a <tool_call> left open."""
     calls, parsed, bad, at = [], 0, 0, text.find("<tool_call>")
     while at >= 0 and (end := text.find("</tool_call>", at)) >= 0:
         body, at = text[at + len("<tool_call>"):end], text.find("<tool_call>", end)
