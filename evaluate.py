@@ -382,7 +382,7 @@ def read_done(paths, n):
         for line in open(path, encoding="utf-8"):
             try:
                 rec = json.loads(line)
-            except json.JSONDecodeError:
+            except (ValueError, RecursionError):
                 continue
             if isinstance(rec, dict) and "uid" in rec:
                 seen[rec["uid"]][rec["sample_index"]] = light(rec)

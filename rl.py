@@ -678,9 +678,9 @@ SHARED = ("top_k", "max_prompt_tokens", "max_response_tokens", "max_turns", "max
 
 def has_program(text):
     program = evaluate.extract_program(text)
-    try:
+    try:    # no program: what ast cannot parse (NUL bytes, a few thousand `+1`, `not not ...`)
         return bool(program and program.strip()) and ast.parse(program) is not None
-    except (SyntaxError, ValueError):
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
         return False
 
 

@@ -724,38 +724,39 @@ def run_code(arguments, sandbox, config):
 
 # The tools the rollout offers, by name. To add one: TOOLS["name"] = Tool(schema, call), or tools=
 TOOLS = {"code_interpreter": Tool(CODE_INTERPRETER, run_code)}
-TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)  # as verl's HermesToolParser
+
+
+def parse_json(text, max_depth=64):
+    """json.loads of model text -> (value, None), else (None, why); nesting past max_depth too."""
+    try:
+        row = [value := json.loads(text)]
+    except (ValueError, RecursionError) as e:  # bad JSON, a number past 4300 digits, too deep
+        return None, f"{e.msg} at char {e.pos}" if hasattr(e, "pos") else "too large or too deep"
+    for _ in range(max_depth):   # level by level: deeper would raise RecursionError wherever
+        row = [x for v in row if type(v) in (dict, list)       # the call's record is copied
+               for x in (v.values() if type(v) is dict else v)]
+    return (None, f"nested deeper than {max_depth}") if row else (value, None)
 
 
 def parse_tool_calls(text, max_calls=1):
     """The calls of one assistant turn, in order: (name, arguments, refusal), refusal None or the
-    reply to a malformed call. A block that is not a JSON object with a "name" is a parse error
-    (verl's), not counted towards max_calls; of the calls that parse, the first max_calls are kept
-    (verl's max_parallel_calls). Arguments written as a JSON string are decoded. A <tool_call> still
-    open after the last block is an error (verl drops these silently; here each gets a reply)."""
-    calls, parsed, end = [], 0, 0
-    for match in TOOL_CALL_RE.finditer(text):
-        end = match.end()
-        try:
-            call = json.loads(match.group(1))
-        except json.JSONDecodeError as e:
-            refusal = f"Error: the tool call is not valid JSON ({e.msg} at char {e.pos})."
-            calls.append((None, None, refusal))
-            continue
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-            calls.append((None, None, 'Error: a tool call is {"name": ..., "arguments": {...}}.'))
-            continue
-        parsed += 1
-        if parsed > max_calls:
-            continue
-        args = call.get("arguments")
-        if isinstance(args, str):  # some models write the arguments as a JSON string
-            try:
-                args = json.loads(args)
-            except json.JSONDecodeError:
-                args = None
-        calls.append((call["name"], args if isinstance(args, dict) else {}, None))
-    if "<tool_call>" in text[end:]:
+    reply to a malformed call. The blocks verl's HermesToolParser finds, <tool_call>(.*?)
+    </tool_call>, in one pass: the first max_calls that parse (a JSON object with a "name";
+    arguments given as a JSON string decoded; verl's max_parallel_calls), and the first max_calls
+    that do not, each with an error reply (verl drops them), as is a <tool_call> left open."""
+    calls, parsed, bad, at = [], 0, 0, text.find("<tool_call>")
+    while at >= 0 and (end := text.find("</tool_call>", at)) >= 0:
+        body, at = text[at + len("<tool_call>"):end], text.find("<tool_call>", end)
+        call, why = parse_json(body)
+        if why or not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            if (bad := bad + 1) <= max_calls:     # a turn of them: bounded work, a short reply
+                calls.append((None, None, f"Error: the tool call is not valid JSON ({why})." if why
+                              else 'Error: a tool call is {"name": ..., "arguments": {...}}.'))
+        elif (parsed := parsed + 1) <= max_calls:
+            args = call.get("arguments")  # some models write the arguments as a JSON string
+            args = parse_json(args)[0] if isinstance(args, str) else args
+            calls.append((call["name"], args if isinstance(args, dict) else {}, None))
+    if at >= 0:                        # a <tool_call> left open after the last block
         calls.append((None, None, "Error: the tool call is not closed with </tool_call>."))
     return calls
 
@@ -814,11 +815,10 @@ class AgentLoop:
 
     def _end_turn(self, agent):
         """An assistant turn ended; True if its tool calls were sent off."""
-        seq, cfg = agent.seq, self.config
+        seq, cfg, tokenizer = agent.seq, self.config, self.chat.tokenizer
         agent.num_turns += 1
-        turn = seq.token_ids[agent.turn_start:]
-        text = self.chat.tokenizer.decode(turn, skip_special_tokens=False)
-        calls = parse_tool_calls(text, cfg.max_parallel_calls)
+        turn = tokenizer.decode(seq.token_ids[agent.turn_start:], skip_special_tokens=False)
+        calls = parse_tool_calls(turn, cfg.max_parallel_calls)
         if seq.finish_reason == "length" or (calls and seq.num_response >= seq.params.max_tokens):
             reason = "length"     # the budget ran out in the turn, or left no room for a reply
         elif seq.token_ids[-1] != self.chat.end_of_turn:

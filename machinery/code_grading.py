@@ -18,8 +18,11 @@ own run. evaluate.py's code grader (score_code) calls run_tests; this module imp
 
 import ast
 import json
+import re
 import secrets
+from concurrent.futures import FIRST_COMPLETED, wait
 from decimal import Decimal, InvalidOperation
+from itertools import zip_longest
 
 # stdout and stderr kept per test run: one fixed cap, never derived from a test
 GRADING_OUTPUT_LIMIT = 8 << 20
@@ -38,8 +41,8 @@ except SystemExit:             # LiveCodeBench grades the output printed before 
     pass
 """
 
-# Imported as a module (not __main__), as LiveCodeBench does; the value comes back as its
-# repr (numpy values made Python ones) for the caller to rebuild and compare by value.
+# Imported as a module (not __main__), as LiveCodeBench does (after CODEC); the value comes back
+# as data (numpy values made Python ones) for the caller to rebuild and compare by value.
 _CALL_HARNESS = """import json, sys, types
 solution = types.ModuleType("solution")
 exec(compile({source!r}, "<solution>", "exec", dont_inherit=True), solution.__dict__)
@@ -52,23 +55,30 @@ def plain(v):
     if isinstance(v, dict):
         return {{plain(k): plain(x) for k, x in v.items()}}
     return type(v)(map(plain, v)) if type(v) in (list, tuple, set, frozenset) else v
-text = repr(plain(value))
+text = _encode(plain(value), ())
 sys.stdout.flush()
 sys.stdout.write("\\n" + {marker!r} + text + "\\n")
 """
 
 
-def _numbers(line):
-    return [Decimal(t) for t in line.split()]
-
-
 def _same_output(got, expected):
     """LiveCodeBench: strip the whole, split lines, strip each, same count, each line equal as text
-    or as lists of Decimal numbers (3 == 3.0)."""
-    a, b = ([line.strip() for line in text.strip().split("\n")] for text in (got, expected))
+    or as lists of Decimal numbers (3 == 3.0). The counts first: no more lines are split, and no
+    more tokens made Decimals, than the expected output holds (plus one)."""
+    got, expected = got.strip(), expected.strip()
+    if got.count("\n") != expected.count("\n"):
+        return False
+    pairs = zip(got.split("\n"), expected.split("\n"))
+    return all(x.strip() == y.strip() or _same_numbers(x, y) for x, y in pairs)
+
+
+def _same_numbers(got, expected):
+    """[Decimal(t) for t in got.split()] == the same of expected, token by token (\\s is split()'s
+    whitespace): never more Decimals than the expected line holds, plus one."""
     try:
-        return len(a) == len(b) and all(x == y or _numbers(x) == _numbers(y) for x, y in zip(a, b))
-    except InvalidOperation:
+        return all(t is not None and w is not None and Decimal(t.group()) == Decimal(w)
+                   for t, w in zip_longest(re.finditer(r"\S+", got), expected.split()))
+    except InvalidOperation:           # not a number (or a signalling NaN compared)
         return False
 
 
@@ -76,15 +86,15 @@ def _call_passed(result, marker, expected, wrapped):
     at = result.stdout.rfind(marker)
     if not result.ok or at < 0:
         return False
-    try:        # a repr that is no literal (an object of its own class) equals no expected value
-        got = ast.literal_eval(result.stdout[at + len(marker):].strip())
+    try:        # not a plain value, too large, a cycle compared, ...: no pass
+        got = _decode(result.stdout[at + len(marker):].strip(), {})
         want = json.loads(expected)
-    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        got = list(got) if isinstance(got, tuple) else got     # LiveCodeBench: tuples as lists
+        # TACO/APPS ground truth is wrapped in a list: its first element passes too.
+        return got == want or (wrapped and isinstance(want, list) and len(want) > 0
+                               and got == want[0])
+    except Exception:
         return False
-    got = list(got) if isinstance(got, tuple) else got     # LiveCodeBench: tuples as lists
-    # TACO/APPS ground truth is wrapped in a list: its first element passes too.
-    return got == want or (wrapped and isinstance(want, list) and len(want) > 0
-                           and got == want[0])
 
 
 # Values that cross between a solution's run and the test's side, as one JSON text: a flat table
@@ -93,9 +103,11 @@ def _call_passed(result, marker, expected, wrapped):
 # ["list" | "tuple" | "set" | "frozenset", [atom, ...]], ["dict", [[key, value], ...]], and
 # ["obj", name, [[field, atom], ...]] for an object of one of the row's prefix classes (ListNode,
 # TreeNode), rebuilt by name. Subclasses of these types cross as the base type (numpy scalars as
-# Python ones); any other value is refused. Run in both harnesses, and here for the literal case.
+# Python ones); any other value is refused. Run in the three harnesses, and here, where decoding
+# is linear in the text and bounded: MAX_VALUES values, tuples 100 deep, 64 equal hashes a set.
 CODEC = r'''
 import json as _json
+MAX_VALUES = 1 << 18      # values a table may hold (arrays, objects, commas of its text): bounded
 def _encode(value, classes):
     nodes, seen, alive, todo = [], {}, [], []
     def node(entry):
@@ -148,9 +160,10 @@ def _encode(value, classes):
             nodes[k] = ["obj", type(v).__name__, [[str.__str__(key), atom(x)] for key, x in fields]]
     return _json.dumps([root, nodes])
 def _decode(text, classes):
+    if text.count(",") + text.count("[") + text.count("{") > MAX_VALUES:
+        raise ValueError(f"more than {MAX_VALUES} values")   # counted before any is parsed
     root, nodes = _json.loads(text)
-    missing = object()
-    built = [missing] * len(nodes)
+    missing, opened, depth = object(), set(), [0] * len(nodes)
     def get(a):
         if type(a) is list:
             if built[a[0]] is missing:
@@ -159,31 +172,35 @@ def _decode(text, classes):
         if a is None or type(a) in (bool, int, float, str):
             return a
         raise ValueError(f"not a value: {a!r}")
-    makers = {"list": list, "dict": dict, "set": set}
-    for k, entry in enumerate(nodes):
-        tag = entry[0]
-        if tag in makers:
-            built[k] = makers[tag]()
-        elif tag == "int":
-            built[k] = int(entry[1], 16)
-        elif tag == "complex":
-            built[k] = complex(float(entry[1]), float(entry[2]))
-        elif tag == "bytes":
-            built[k] = bytes.fromhex(entry[1])
-        elif tag == "obj":
-            built[k] = object.__new__(classes[entry[1]])
-        elif tag not in ("tuple", "frozenset"):
-            raise ValueError(f"unknown node {tag!r}")
-    waiting = [k for k in reversed(range(len(nodes))) if nodes[k][0] in ("tuple", "frozenset")]
-    while waiting:                     # immutable ones after what they hold
-        later = [k for k in waiting if any(type(a) is list and built[a[0]] is missing
-                                           for a in nodes[k][1])]
-        if len(later) == len(waiting):
-            raise ValueError("a cycle through an immutable value")
-        for k in waiting:
-            if k not in later:
-                built[k] = (tuple if nodes[k][0] == "tuple" else frozenset)(map(get, nodes[k][1]))
-        waiting = later
+    def hashed(items):                 # distinct values of one hash: quadratic to put in a set
+        if len(items) - len(set(map(hash, items))) > 64:
+            raise ValueError("values that share one hash")
+        return items
+    makers = {"list": lambda e: [], "dict": lambda e: {}, "set": lambda e: set(),
+              "tuple": lambda e: missing, "frozenset": lambda e: missing,    # built below
+              "int": lambda e: int(e[1], 16), "bytes": lambda e: bytes.fromhex(e[1]),
+              "complex": lambda e: complex(float(e[1]), float(e[2])),
+              "obj": lambda e: object.__new__(classes[e[1]])}
+    def unknown(entry):
+        raise ValueError(f"unknown node {entry[0]!r}")
+    built = [makers.get(entry[0], unknown)(entry) for entry in nodes]
+    for k in range(len(nodes)):        # tuples and frozensets after what they hold: depth first,
+        todo = [k]                     # each node opened once (~j: its items are built)
+        while todo:
+            j = todo.pop()
+            if j < 0:
+                j, held = ~j, nodes[~j][1]
+                depth[j] = 1 + max([depth[a[0]] for a in held if type(a) is list], default=0)
+                if depth[j] > 100:     # hashing a tuple recurses in C, with no limit
+                    raise ValueError("nested too deep")
+                items = list(map(get, held))
+                built[j] = tuple(items) if nodes[j][0] == "tuple" else frozenset(hashed(items))
+            elif built[j] is missing:
+                if j in opened:
+                    raise ValueError("a cycle through an immutable value")
+                opened.add(j)
+                todo += [~j] + [a[0] for a in nodes[j][1] if type(a) is list
+                                and built[a[0]] is missing]
     for k, entry in enumerate(nodes):
         if entry[0] == "list":
             built[k].extend(map(get, entry[1]))
@@ -192,9 +209,11 @@ def _decode(text, classes):
                 object.__setattr__(built[k], key, get(a))
     for k, entry in enumerate(nodes):
         if entry[0] == "dict":
-            built[k].update((get(a), get(b)) for a, b in entry[1])
+            pairs = [(get(a), get(b)) for a, b in entry[1]]
+            hashed([key for key, _ in pairs])
+            built[k].update(pairs)
         elif entry[0] == "set":
-            built[k].update(map(get, entry[1]))
+            built[k].update(hashed(list(map(get, entry[1]))))
     return get(root)
 '''
 exec(CODEC)
@@ -213,13 +232,13 @@ def _values(prefix, program, entry_point, param, calls, marker):
     exec(compile(program, "<solution>", "exec", dont_inherit=True), theirs)
     candidate, records = eval(entry_point, theirs), []
     def call(*args, **kwargs):
-        records.append([_encode((args, kwargs), names)])
+        records.append(_encode((args, kwargs), names))
         try:
             value = candidate(*args, **kwargs)
         except Exception as exc:
-            records[-1].append(["raised", type(exc).__name__])
+            records[-1] += "\\traised\\t" + type(exc).__name__
             raise
-        records[-1].append(["value", _encode(value, names)])
+        records[-1] += "\\tvalue\\t" + _encode(value, names)
         return value
     for kind, text in calls:
         try:
@@ -232,7 +251,7 @@ def _values(prefix, program, entry_point, param, calls, marker):
         except Exception:
             pass                       # the test's side raises it in its turn
     sys.stdout.flush()
-    sys.stdout.write("\\n" + marker + _json.dumps(records) + "\\n")
+    sys.stdout.write("\\n" + marker + "\\n".join(records) + "\\n")
 _values({prefix!r}, {program!r}, {entry_point!r}, {param!r}, {calls!r}, {marker!r})
 """
 
@@ -255,7 +274,7 @@ def _check(prefix, test, param, answers, marker):
             sys.stdout.write("\\n" + marker + "need " + str(len(calls)) + " " + seen + "\\n")
             sys.stdout.flush()
             os._exit(0)
-        kind, value = answers[len(calls)][1]
+        kind, value = answers[len(calls)][1:]
         calls.append(kind)
         if kind == "raised":
             error = getattr(builtins, value, None)
@@ -358,7 +377,7 @@ class _AssertTest:
 
     def __init__(self, prefix: str, program: str, test: str, entry_point: str):
         self.prefix, self.program, self.test, self.entry = prefix, program, test, entry_point
-        self.passed, self.rounds, self.answers = None, 0, []
+        self.passed, self.rounds, self.asked, self.answers = None, 0, -1, []
         try:
             function = ast.parse(test).body[0]
             self.param = (function.args.posonlyargs + function.args.args)[0].arg
@@ -384,14 +403,11 @@ class _AssertTest:
     def take(self, result) -> None:
         at = result.stdout.rfind(self.marker)
         said = result.stdout[at + len(self.marker):].strip() if result.ok and at >= 0 else None
-        if self.stage == "solution":
-            try:
-                self.answers = json.loads(said)
-            except (TypeError, ValueError, RecursionError):
-                self.passed = False
-                return
-            if len(self.answers) < len(self.calls):    # a call its test could not make either
-                self.passed = False
+        if self.stage == "solution":  # a line per call: arguments, "value" or "raised", what
+            lines = said.split("\n", len(self.calls)) if said else []
+            self.answers = [line.split("\t", 2) for line in lines if line.count("\t") >= 2]
+            if said is None or not len(self.answers) == len(lines) == len(self.calls):
+                self.passed = False    # a call its test could not make either, or no record
                 return
             if self.literal is not None and self.answers:
                 self.passed = self._judge_here()
@@ -402,15 +418,18 @@ class _AssertTest:
             self.passed = True
         elif said and said.startswith("need ") and self.rounds < MAX_ROUNDS:
             index, args = said[5:].split(" ", 1)
+            # each call asked for once, in order: a solution run that did not make the call it was
+            # given (its record forged) fails, and costs no further round
+            self.passed = False if int(index) <= self.asked else None
             self.calls = self.calls[:int(index)] + [("data", args)]
-            self.rounds, self.stage = self.rounds + 1, "solution"
+            self.rounds, self.stage, self.asked = self.rounds + 1, "solution", int(index)
         else:
             self.passed = False
 
     def _judge_here(self):
         """The literal comparison on the decoded value; None where the value holds one of the
         prefix's classes (the test's run rebuilds those)."""
-        kind, value = self.answers[0][1] if len(self.answers[0]) == 2 else ("raised", "")
+        _, kind, value = self.answers[0]
         if kind != "value":
             return False
         try:
@@ -447,8 +466,9 @@ def _tests(source, tests):
         for case in cases:
             # a fresh random marker per case: the program cannot print a result line of its own
             marker = f"@@sandbox-result-{secrets.token_hex(8)}@@"
-            code = _CALL_HARNESS.format(source=LCB_PRELUDE + source, fn_name=tests["fn_name"],
-                                        inputs=str(case.get("input", "")), marker=marker)
+            code = CODEC + _CALL_HARNESS.format(source=LCB_PRELUDE + source, marker=marker,
+                                                fn_name=tests["fn_name"],
+                                                inputs=str(case.get("input", "")))
             jobs.append(_OneRun(code, "", lambda r, m=marker, e=str(case.get("output", "")):
                                 _call_passed(r, m, e, bool(tests.get("wrapped")))))
         return jobs
@@ -469,15 +489,19 @@ def run_tests(program, tests, timeout=6.0, stop_on_failure=False, memory_mb=1024
     import sandbox as sandbox_module
     box = sandbox or sandbox_module.default_sandbox()
 
+    def send(test):
+        code, stdin = test.next_run()
+        return box.submit(code, timeout, memory_mb, stdin, output_limit=GRADING_OUTPUT_LIMIT)
+
     def settle(group):                 # every test of `group` decided, their runs concurrent
-        while undecided := [test for test in group if test.passed is None]:
-            futures = []
-            for test in undecided:
-                code, stdin = test.next_run()
-                futures.append(box.submit(code, timeout, memory_mb, stdin,
-                                          output_limit=GRADING_OUTPUT_LIMIT))
-            for test, future in zip(undecided, futures):
-                test.take(future.result())
+        running = {send(test): test for test in group if test.passed is None}
+        while running:                 # each run taken as it comes
+            future = wait(running, return_when=FIRST_COMPLETED).done.pop()
+            test = running.pop(future)
+            test.take(future.result())
+            del future                 # its output goes now, not at the next arrival
+            if test.passed is None:
+                running[send(test)] = test
 
     every = _tests(source, tests)
     if not stop_on_failure:

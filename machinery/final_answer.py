@@ -15,9 +15,12 @@ def final_answer_text(response):
     response = response if isinstance(response, str) else "" if response is None else str(response)
     cut = response.rfind("</tool_response>")
     text = (response[cut + len("</tool_response>"):] if cut >= 0 else response).rstrip()
-    while text.endswith(("<|im_end|>", "<|endoftext|>")):
-        text = text[:text.rfind("<")].rstrip()
-    return text
+    end = len(text)                    # back over the end tokens in one pass, copying none
+    while text.endswith(("<|im_end|>", "<|endoftext|>"), 0, end):
+        end = text.rfind("<", 0, end)
+        while end and text[end - 1].isspace():
+            end -= 1
+    return text[:end]
 
 
 def boxed_answer(response):

@@ -95,7 +95,9 @@ def write_trajectories(out_dir, step, records):
     problem and sample, one compact JSON line each (what `python scripts/view.py out_dir` reads)."""
     folder = os.path.join(out_dir, "trajectories")
     os.makedirs(folder, exist_ok=True)
-    with gzip.open(os.path.join(folder, f"step_{step:06d}.jsonl.gz"), "wt", encoding="utf-8") as f:
+    # a lone surrogate (a call's "\ud800") is no UTF-8: written as that escape, it reads back as is
+    with gzip.open(os.path.join(folder, f"step_{step:06d}.jsonl.gz"), "wt", encoding="utf-8",
+                   errors="backslashreplace") as f:
         for r in sorted(records, key=lambda r: (r["problem_index"], r["sample_index"])):
             f.write(json.dumps(r, ensure_ascii=False, separators=(",", ":")) + "\n")
 

@@ -38,9 +38,9 @@ def read_jsonl(path):
     rows = []
     with (gzip.open(path, "rt", encoding="utf-8") if path.endswith(".gz") else open(path, encoding="utf-8")) as f:
         for line in f:
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
+            try:   # NaN and Infinity (a tool call's 1e999) as text: JSON.parse takes no other
+                rows.append(json.loads(line, parse_constant=str))
+            except (ValueError, RecursionError):
                 continue
     return rows
 
@@ -159,7 +159,7 @@ def response_blocks(text, tool_calls):
             call = json.loads(body)
             args = json.loads(call["arguments"]) if isinstance(call["arguments"], str) else call["arguments"]
             code = args["code"] if call.get("name") == "code_interpreter" else body
-        except (ValueError, TypeError, KeyError):
+        except (ValueError, TypeError, KeyError, RecursionError):
             code = body
         mine = [c for c in tool_calls if c.get("turn") == turn]
         k = taken[turn] = taken.get(turn, -1) + 1
@@ -437,7 +437,7 @@ def main(argv=None):
         raise SystemExit(f"{args.run_dir}: not a directory")
     page = render(args.run_dir, args.tokenizer, args.steps, args.max_steps, args.max_mb, args.top)
     out = args.out or os.path.join(args.run_dir, "view.html")
-    with open(out, "w", encoding="utf-8") as f:
+    with open(out, "w", encoding="utf-8", errors="backslashreplace") as f:   # lone surrogates
         f.write(page)
     print(f"wrote {out} ({os.path.getsize(out) / 1e6:.2f} MB)")
 
