@@ -175,12 +175,13 @@ def plan_rank(config, cfg, rank, world, dtype, fake=True, flash=True):
     return phases
 
 
-def materialize(model, cfg, fake):
-    """shard()'s model on the CPU: fake tensors, or real ones with random weights."""
+def materialize(model, cfg, fake, device="cpu"):
+    """shard()'s model on the CPU (gpu_check.py: on CUDA): fake tensors, or real ones with random
+    weights."""
     model.gradient_checkpointing = getattr(cfg, "activation_checkpointing",    # rl.Config
                                            getattr(cfg, "gradient_checkpointing", True))  # sft
     with torch.no_grad():
-        model.to_empty(device="cpu")
+        model.to_empty(device=device)
         model.tie_weights()
         if not fake:
             for p in model.parameters():
