@@ -634,8 +634,8 @@ def phase(name, times, memory, device):
 
 
 def make_engine(model, cfg, device, world, evaluating):
-    """(the process's one Engine (KV pool and CUDA graphs) for every rollout and evaluation, the
-    probe: {phase or "kv_pool": GiB}, on CUDA). Its pool holds the larger of a step's and an
+    """The process's one Engine (KV pool and CUDA graphs) for every rollout and evaluation, and on
+    CUDA what sized it ({phase or "kv_pool": GiB}). Its pool holds the larger of a step's and an
     evaluation batch's sequences at full length; on CUDA no more than the device has left at the
     largest peak of a step's phases, measured by running them (machinery/memory_plan.py;
     scripts/plan.py prints the same phases without a GPU). Built before a resume loads AdamW's

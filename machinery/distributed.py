@@ -224,11 +224,6 @@ def compute_dtype(device):
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
-def is_fsdp(model):
-    from torch.distributed.fsdp import FSDPModule
-    return isinstance(model, FSDPModule)
-
-
 def clip_grads(model, max_norm):
     """Clip the gradients' global norm to max_norm (0: no clipping); returns the norm before, a
     float (under FSDP2 clip_grad_norm_ returns a DTensor)."""

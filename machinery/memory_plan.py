@@ -6,36 +6,32 @@ from it; scripts/plan.py runs the same phases on fake tensors for N simulated ra
 prints them. Both run `run_phases`, which calls rl.py's own functions (passed in: this file
 imports no stage) on dummy tokens, so the plan cannot drift from the code it plans:
 
-- generate: every weight gathered (rl.full_weights), a full-length prefill and sampling over
-  ROWS rows (`generation`); the KV pool fills what is left beside the largest phase.
+- generate: every weight gathered (rl.full_weights), a prefill and the sampler (`generation`).
 - old_logprob: one no-grad pass of logprob_micro_batch_tokens (rl.score_tokens).
 - update: rl.update on two micro-batches of micro_batch_tokens, with its micro-batch and gradient
   sync pattern (a gradient held between micro-batches shows in the second).
 - optimizer: AdamW's step.
-A sequence longer than a micro-batch goes alone in one (rl.pack), so no micro-batch is planned
-shorter than a full-length sequence (max_prompt_tokens + max_response_tokens).
+A sequence longer than a micro-batch goes alone in one (rl.pack): no micro-batch is planned
+shorter than a full-length one (max_prompt_tokens + max_response_tokens). What stays from the
+run's first step on is resident in every phase: AdamW's two fp32 moments (a step on zero
+gradients, lr 0, allocates them) and, with flash-attn, the decode graphs' outputs.
 
-What stays from the run's first step on is resident in every phase: AdamW's two fp32 moments (a
-step on zero gradients, lr 0, allocates them) and with flash-attn the decode graphs' outputs.
-
-The KV pool is resident through every phase (one Engine per process), so its budget is the device's
+The KV pool is resident through every phase (one Engine per process): its budget is the device's
 usable memory less what torch does not hold (OUTSIDE) less the largest phase's peak;
-kv_pool_tokens turns that budget into tokens, for rollout.Engine and the plan alike.
+kv_pool_tokens turns it into tokens, for rollout.Engine and the plan alike.
 """
 
 import torch
 
 PHASES = ("generate", "old_logprob", "update", "optimizer")
 ROWS = 256  # rollout.Engine's max_num_seqs: the most rows one decode step samples
-# Held outside torch's allocator on each GPU, which rl.py's budget subtracts as it finds it
-# (rollout.kv_budget) and the plan must estimate: the CUDA context with the kernels a run loads
-# (~0.5-1 GiB with lazy loading), and NCCL's buffers for the ranks' one communicator (several
-# hundred MiB; NVLink SHARP on 8 H100s adds ~0.3-1 GiB). gpu_check.py measures the first.
+# Held outside torch's allocator on a GPU, which rl.py's budget subtracts as it finds it
+# (rollout.kv_budget) and the plan estimates: the CUDA context with the kernels a run loads
+# (0.5-1 GiB), NCCL's buffers for the ranks' communicator (with NVLink SHARP on 8 H100s ~1 GiB).
 OUTSIDE = dict(cuda_context=1 << 30, nccl=1 << 30)
 
 
 def outside_torch(gpus):
-    """Bytes a GPU holds outside torch's allocator (OUTSIDE; no NCCL buffers on one GPU)."""
     return OUTSIDE["cuda_context"] + (OUTSIDE["nccl"] if gpus > 1 else 0)
 
 
@@ -81,10 +77,9 @@ def generation(model, cfg, device, flash, sample):
     """What a rollout adds to the gathered weights, its KV pool aside: the prefill of a full-length
     sequence (a preempted one is computed again whole), then rollout.sample over ROWS rows, sorted
     as evaluation's top-p sorts them. Without flash-attn the prefill behind a cached prompt also
-    reads one layer's K/V into the scratch the cache keeps, with a [q, k] mask and K/V expanded to
-    the query heads (rollout.PagedKVCache, model.sdpa). With flash-attn the decode graphs'
-    outputs, fp32 logits [b, V] for each bucket b up to ROWS (fast_sampling.FlashKVCache), are
-    resident: run_phases holds them."""
+    reads one layer's K/V into the scratch the cache keeps, a [q, k] mask and K/V expanded to the
+    query heads (rollout.PagedKVCache, model.sdpa). (With flash-attn run_phases holds the decode
+    graphs' outputs: fp32 logits [b, V] for each bucket b up to ROWS, fast_sampling.FlashKVCache.)"""
     c, full = model.config, cfg.max_prompt_tokens + cfg.max_response_tokens
     kw = dict(dtype=model.lm_head.weight.dtype, device=device)
     scratch = [] if flash else [

@@ -190,33 +190,28 @@ def materialize(model, cfg, fake, device="cpu"):
 
 
 def verdict(phases, config, cfg, gpu_bytes, flash, dtype, outside):
-    """(lines, fits): the KV pool beside the largest phase, as rl.py sizes it (rollout.kv_budget:
-    utilization x the GPU, less what torch does not hold, less the peak), and what does not fit
-    (sft.py: no pool, its largest phase within the same 0.9 of the GPU)."""
-    share = getattr(cfg, "kv_memory_utilization", 0.9)
+    """(lines, fits): what is usable and the largest phase's need; for rl.py the KV pool beside
+    it as rl.py sizes it (rollout.kv_budget: utilization x the GPU, less what torch does not hold,
+    less the peak) and whether it holds a full-length sequence (sft.py: no pool, the same 0.9)."""
+    share, rl_step = getattr(cfg, "kv_memory_utilization", 0.9), hasattr(cfg, "max_response_tokens")
     usable = int(gpu_bytes * share) - outside
-    of = (f"of {usable / GIB:.1f} usable ({share} x {gpu_bytes / GIB:g} less "
-          f"{outside / GIB:.1f} outside torch)")
     peak_name = max(phases, key=lambda k: phases[k]["total"])
     need = phases[peak_name]["total"]
-    if not hasattr(cfg, "kv_memory_utilization"):
-        fits = need <= usable
-        return [f"{'' if fits else 'does not fit: '}{peak_name} needs {need / GIB:.1f} GiB {of}"
-                ], fits
-    budget = usable - need
-    full = cfg.max_prompt_tokens + cfg.max_response_tokens
-    lines, fits = [], True
-    if budget <= 0:
-        return [f"does not fit: {peak_name} needs {need / GIB:.1f} GiB {of}; no room for the KV "
-                f"pool"], False
+    fits = need <= usable
+    lines = [f"usable: {usable / GIB:.1f} GiB ({share} x {gpu_bytes / GIB:g} less "
+             f"{outside / GIB:.1f} outside torch: the CUDA context, NCCL's buffers)",
+             f"{'' if fits else 'does not fit: '}{peak_name} needs {need / GIB:.1f} GiB"
+             + ("" if fits or not rl_step else ": no room for the KV pool")]
+    if not (fits and rl_step):
+        return lines, fits
+    budget, full = usable - need, cfg.max_prompt_tokens + cfg.max_response_tokens
     tokens = memory_plan.kv_pool_tokens(config, budget, dtype, flash)
     lines.append(f"KV pool: {budget / GIB:.1f} GiB = {tokens} tokens = {tokens / full:.1f} "
-                 f"full-length sequences ({full} tokens) beside {peak_name}'s peak, {of}")
+                 f"full-length sequences ({full} tokens) beside {peak_name}'s peak")
     if tokens < full:
         lines.append(f"does not fit: the KV pool holds {tokens} tokens, less than one "
                      f"full-length sequence ({full}: max_prompt_tokens + max_response_tokens)")
-        fits = False
-    return lines, fits
+    return lines, tokens >= full
 
 
 def table(label, phases):
@@ -259,9 +254,11 @@ def main(argv=None):
     args, cfg = parse(sys.argv[1:] if argv is None else argv)
     t0, dtype = time.time(), torch.bfloat16
     config = load_config(args.model)
+    full = 0 if args.sft else cfg.max_prompt_tokens + cfg.max_response_tokens
+    alone = f" (a full-length sequence, {full}, alone in one)" * (full > cfg.micro_batch_tokens)
     print(f"plan: {args.model} ({config.num_hidden_layers} layers, hidden {config.hidden_size}) "
           f"on {args.gpus} x {args.gpu_memory_gib:g} GiB, {'sft.py' if args.sft else 'rl.py'}, "
-          f"micro-batches {cfg.micro_batch_tokens} tokens, attention {args.attn}")
+          f"micro-batches {cfg.micro_batch_tokens} tokens{alone}, attention {args.attn}")
     fits, ranks = True, range(args.gpus if args.every_rank else 1)
     outside = memory_plan.outside_torch(args.gpus) if args.outside_gib is None else \
         int(args.outside_gib * GIB)
