@@ -511,10 +511,11 @@ def toy_arguments():
 
 
 def main(argv=None):
+    from machinery.distributed import (allocator_defaults, barrier, distributed, gather_objects,
+                                       print0, resolve_model, same_model, start_sandbox)
+    allocator_defaults()  # before CUDA starts
     import torch
     from machinery import eval_resume
-    from machinery.distributed import (barrier, distributed, gather_objects, print0, resolve_model,
-                                       same_model, start_sandbox)
     from machinery.exits import quiet_interrupt
     from machinery.run_log import Metrics
     from model import Transformer, attention_path

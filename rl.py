@@ -51,10 +51,10 @@ import sandbox
 from data import toy
 from machinery import flags, memory_plan
 from machinery.checkpoints import check_resume, latest_resumable, load_checkpoint, save_checkpoint
-from machinery.distributed import (all_gather_list, all_reduce, broadcast_object, build_model,
-                                   check_shared, clip_grads, compute_dtype, distributed,
-                                   gather_group, is_fsdp, print0, resolve_model, start_sandbox,
-                                   world_advice)
+from machinery.distributed import (all_gather_list, all_reduce, allocator_defaults,
+                                   broadcast_object, build_model, check_shared, clip_grads,
+                                   compute_dtype, distributed, gather_group, gather_objects,
+                                   print0, resolve_model, start_sandbox, world_advice)
 from machinery.exits import exit_worker, quiet_interrupt, resume_line
 from machinery.flags import parse_config
 from machinery.run_log import Metrics, learning_curve, print_step, step_metrics, write_trajectories
@@ -352,8 +352,8 @@ def train(cfg):
                 toy.ensure()
             cfg.model = broadcast_object(toy.sft_start())  # rank 0's: one start for every rank
         check_shared(cfg.out_dir, [cfg.data, cfg.eval_data, cfg.model])
-        if cfg.eval_data and world > 1:
-            gather_group()  # evaluations gather on it: made while the ranks are together
+        if world > 1:  # what follows rank-local rollouts gathers on it: made while together
+            gather_group()
         return _train(cfg, rank, world, device, sharded)
 
 
@@ -420,7 +420,7 @@ def setup(cfg, rank, world, device, sharded):
         ref = build_model(path, device, sharded).requires_grad_(False)   # the frozen start
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                             weight_decay=cfg.weight_decay)
-    engine = make_engine(model, cfg, device, world, bool(eval_problems))
+    engine, probe = make_engine(model, cfg, device, world, bool(eval_problems))
     start, evals = 0, {}
     resume_from = latest_resumable(cfg.out_dir) if cfg.resume else None
     if resume_from:
@@ -429,6 +429,8 @@ def setup(cfg, rank, world, device, sharded):
         start, evals = trainer["step"], trainer["evals"]
         print0(f"resumed from {resume_from} at step {start}")
     metrics = Metrics(os.path.join(cfg.out_dir, "metrics.jsonl"), cfg, start)
+    if probe:  # what each phase may take beside the pool (scripts/gpu_check.py reads it)
+        metrics.log(event="memory", step=start, probe_gib=probe)
     print0(f"rl: {len(problems)} problems, {steps} steps of {cfg.prompts_per_step} x "
            f"{cfg.samples_per_prompt}, world {world}, device {device}, KV pool "
            f"{engine.stats['kv_pool_tokens']} tokens per rank")
@@ -473,7 +475,10 @@ def share_rewards(samples, cfg):
     groups to train on: with dynamic sampling only those whose rewards differ (the others carry
     no signal)."""
     keys = ("problem", "reward", "score", "correct", "tool_calls", "tool_ok", "length", "finish")
-    everyone = all_gather_list([{k: s[k] for k in keys} for s in samples])
+    # the first collective after the rank-local rollout and grading: it waits for the slowest
+    # rank on the long-timeout group (a slow sandbox or long trajectories are no stuck node)
+    mine = [{k: s[k] for k in keys} for s in samples]
+    everyone = [x for part in gather_objects(mine) for x in part]
     groups = {}
     for s in everyone:
         groups.setdefault(s["problem"], []).append(s["reward"])
@@ -629,27 +634,31 @@ def phase(name, times, memory, device):
 
 
 def make_engine(model, cfg, device, world, evaluating):
-    """The process's one Engine (KV pool and CUDA graphs), for every rollout and evaluation: its
-    pool holds the larger of a step's and an evaluation batch's sequences at full length; on CUDA
-    no more than the device has left at the largest peak of a step's phases, measured by running
-    them (machinery/memory_plan.py; scripts/plan.py prints the same phases without a GPU). Built
-    before a resume loads AdamW's moments: the measured step allocates its own."""
+    """The process's one Engine (KV pool and CUDA graphs) for every rollout and evaluation, and on
+    CUDA what sized it ({phase or "kv_pool": GiB}). Its pool holds the larger of a step's and an
+    evaluation batch's sequences at full length; on CUDA no more than the device has left at the
+    largest peak of a step's phases, measured by running them (machinery/memory_plan.py;
+    scripts/plan.py prints the same phases without a GPU). Built before a resume loads AdamW's
+    moments: the measured step allocates its own."""
     seqs = -(-cfg.prompts_per_step // world) * cfg.samples_per_prompt
     if evaluating:
         seqs = max(seqs, evaluate.EvalConfig.problems_per_batch * cfg.eval_n)
-    budget, peaks = None, {}
+    budget, peaks, dtype = None, {}, compute_dtype(device)
     if device.type == "cuda":
-        this = sys.modules[__name__]  # its full_weights, score_tokens and update: the step's own
-        peaks = memory_plan.cuda_peaks(model, cfg, device, world, this)
+        this = sys.modules[__name__]  # its full_weights, score_tokens, update: the step's own
+        flash = rollout.use_flash(model.attn_backend, device, dtype)
+        peaks = memory_plan.cuda_peaks(model, cfg, device, world, this, flash)
         budget = rollout.kv_budget(device, cfg.kv_memory_utilization, max(peaks.values()))
     lengths = [cfg.max_prompt_tokens + cfg.max_response_tokens] * seqs
-    engine = rollout.Engine(model, max_seq_lens=lengths, kv_cache_bytes=budget,
-                            dtype=compute_dtype(device))
-    if peaks:
-        print0("memory: " + ", ".join(f"{k} {v / 2**30:.1f}" for k, v in peaks.items())
-               + f" GiB at peak; KV budget {budget / 2**30:.1f} GiB, pool "
-               f"{engine.num_blocks * engine.blocks.block_size} tokens per rank")
-    return engine
+    engine = rollout.Engine(model, max_seq_lens=lengths, kv_cache_bytes=budget, dtype=dtype)
+    if not peaks:
+        return engine, {}
+    print0("memory: " + ", ".join(f"{k} {v / 2**30:.1f}" for k, v in peaks.items())
+           + f" GiB at peak; KV budget {budget / 2**30:.1f} GiB, pool "
+           f"{engine.num_blocks * engine.blocks.block_size} tokens per rank")
+    # without flash-attn the row buffers may take as much as the pool
+    pool = sum(t.nbytes for t in engine.cache.kv) * (1 if engine.use_flash else 2)
+    return engine, {k: round(v / 2**30, 3) for k, v in dict(peaks, kv_pool=pool).items()}
 
 
 class TimedSandbox:
@@ -859,9 +868,7 @@ def keep_trajectories(cfg, step, batch_ids, batch, samples, tokenizer):
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
-    # before CUDA starts: memory is sized from allocated bytes, and with expandable segments the
-    # allocator's reserve stays near them across the step's changing shapes (no fragmentation)
-    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    allocator_defaults()  # before CUDA starts
     cfg = parse_args(argv or ["--preset=toy"])  # no arguments: the toy preset
     with quiet_interrupt(lambda: resume_line("rl.py", cfg.out_dir)):
         train(cfg)

@@ -35,8 +35,9 @@ import torch
 from machinery import flags
 from machinery.checkpoints import (check_resume, checkpoints, latest_resumable, load_checkpoint,
                                    save_checkpoint)
-from machinery.distributed import (all_reduce, barrier, build_model, check_shared, clip_grads,
-                                   compute_dtype, distributed, is_fsdp, print0, resolve_model)
+from machinery.distributed import (all_reduce, allocator_defaults, barrier, build_model,
+                                   check_shared, clip_grads, compute_dtype, distributed, print0,
+                                   resolve_model)
 from machinery.exits import exit_worker, quiet_interrupt, resume_line
 from machinery.flags import DataError, check_data, check_record, parse_config
 from machinery.run_log import Metrics
@@ -447,10 +448,11 @@ def forward_backward(run, batch, micro):
     -> (summed NLL, token count)."""
     loss_tokens = sum(int(run.train_seqs[i][1][1:].sum()) for i in batch)  # the whole batch's
     nll_sum = torch.zeros((), dtype=torch.float64, device=run.device)
-    mine = micro[run.rank]
-    for k, group in enumerate(mine):
-        if is_fsdp(run.model):  # reduce-scatter the gradients once, after the last micro-batch
-            run.model.set_requires_gradient_sync(k == len(mine) - 1)
+    # FSDP2 reduce-scatters each micro-batch's gradient as its backward ends, as rl.update does:
+    # synced only after the last one, every rank would hold the whole model's gradient unsharded
+    # in fp32 between them (~15 GiB for a 4B model). The shards add up to the same sum, and the
+    # extra reduce-scatters are small beside a micro-batch of 32k tokens' forward and backward.
+    for group in micro[run.rank]:
         nll = packed_nll(run.model, micro_batch([run.train_seqs[i] for i in group], run.device))
         (nll * (run.world / loss_tokens)).backward()
         nll_sum += nll.detach().double()
@@ -515,6 +517,7 @@ def finish(run, path, run_tokens, run_time):
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
+    allocator_defaults()  # before CUDA starts
     cfg = parse_args(argv or ["--preset=toy"])  # no arguments: the toy preset
     try:
         with quiet_interrupt(lambda: resume_line("sft.py", cfg.out_dir,

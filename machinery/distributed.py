@@ -31,6 +31,15 @@ GATHER_TIMEOUT = timedelta(hours=12)
 _gather_groups = {}   # the default group -> its gather group; distributed() takes them down
 
 
+def allocator_defaults(env=os.environ):
+    """Expandable segments for torch's CUDA allocator unless the user set its options (either
+    name): each stage calls it first, before CUDA starts, when the allocator reads them once. The
+    KV pool is sized from allocated bytes (rollout.kv_budget); with expandable segments what the
+    allocator reserves stays near them across the step's changing shapes (no fragmentation)."""
+    if not {"PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"} & set(env):
+        env["PYTORCH_ALLOC_CONF"] = "expandable_segments:True"
+
+
 def setup_distributed(device="auto", timeout_minutes=None):
     """(rank, world, device, under_torchrun). Always leaves a process group behind (a world of
     one when not under torchrun), so the code is the same in both cases; the collectives below
@@ -213,11 +222,6 @@ def start_sandbox(workers, require, rank):
 def compute_dtype(device):
     """The dtype a trained model computes (and samples) in: bf16 on CUDA, fp32 on CPU."""
     return torch.bfloat16 if device.type == "cuda" else torch.float32
-
-
-def is_fsdp(model):
-    from torch.distributed.fsdp import FSDPModule
-    return isinstance(model, FSDPModule)
 
 
 def clip_grads(model, max_norm):

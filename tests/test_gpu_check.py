@@ -11,8 +11,8 @@ sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import gpu_check  # noqa: E402
 
 ROWS = ["logits_fp32", "logits_bf16", "logprobs_fp32", "logprobs_bf16", "backward_no_sync", "generate_fp32",
-        "graphs_vs_eager", "graph_pool", "fsdp_graph", "prefill_no_math", "memory_plan", "decode_1", "decode_2",
-        "rl_step", "sft_step"]
+        "graphs_vs_eager", "graph_pool", "fsdp_graph", "prefill_no_math", "memory_plan", "allocator", "decode_1",
+        "decode_2", "rl_step", "sft_step"]
 NEEDS_GPU = {"backward_no_sync", "graphs_vs_eager", "graph_pool", "fsdp_graph", "prefill_no_math"}
 
 
@@ -33,6 +33,10 @@ def test_cpu_mode_end_to_end(tmp_path):
     assert rows["decode_1"]["ours"]["decode"] > 0 and rows["decode_2"]["kv_pool_tokens"] > 0
     assert rows["rl_step"]["time"]["step"] > 0 and rows["rl_step"]["response_length"] > 0
     assert len(rows["sft_step"]["record_tokens"]) == 2 and rows["sft_step"]["tokens"] > 0
+    # the plan where clipping dominates and where activations do; each stage's allocator settings
+    assert list(rows["memory_plan"]["measured_gib"]) == ["clipping", "activations"]
+    assert {v["settings"] for v in rows["allocator"]["stages"].values()} == {"expandable_segments:True"}
+    assert "expandable_segments:True" in report["environment"]["allocator"]
 
 
 def test_a_failing_row_is_reported_not_raised():

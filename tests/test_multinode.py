@@ -401,3 +401,39 @@ def test_a_checkpoint_not_written_whole_is_not_put_in_place(saved_run, tiny_ckpt
     monkeypatch.undo()
     assert checkpoint.latest_resumable(saved_run).endswith("step_000002")
     assert os.readlink(os.path.join(saved_run, "final")) == "step_000002"
+
+
+@pytest.mark.parametrize("stage", ["rl", "sft", "evaluate"])
+def test_each_stage_sets_the_allocator_before_cuda(stage, tiny_ckpt, tmp_path, monkeypatch):
+    """Expandable segments are asked for before CUDA can start in each stage's entry (distributed
+    set-up is the first to touch CUDA), unless the user set the allocator's options."""
+    import importlib
+    module, seen, names = importlib.import_module(stage), [], ("PYTORCH_ALLOC_CONF",
+                                                                  "PYTORCH_CUDA_ALLOC_CONF")
+
+    def first_cuda(*args, **kwargs):
+        seen.append([os.environ.get(k) for k in names])
+        raise SystemExit("stop before CUDA")
+    monkeypatch.setattr(common, "setup_distributed", first_cuda)
+    data = tmp_path / "problems.jsonl"
+    data.write_text('{"prompt": "1 + 1?", "answer": "2", "kind": "math"}\n')
+    argv = {"rl": [], "sft": [], "evaluate": [f"--model={tiny_ckpt}", f"--data={data}"]}[stage]
+    for user in ({}, {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:256"}):
+        for name in names:
+            monkeypatch.setenv(name, "")   # so that monkeypatch removes what the stage sets
+            monkeypatch.delenv(name)
+        for name, value in user.items():
+            monkeypatch.setenv(name, value)
+        with pytest.raises(SystemExit, match="stop before CUDA"):
+            module.main(argv)
+    assert seen == [["expandable_segments:True", None], [None, "max_split_size_mb:256"]]
+
+
+def test_the_allocator_reads_the_setting():
+    """torch 2.13's allocator reads the name allocator_defaults sets (its settings, as parsed)."""
+    code = ("from machinery.distributed import allocator_defaults; allocator_defaults(); "
+            "import torch; print(torch._C._accelerator_getAllocatorSettings())")
+    env = {k: v for k, v in ENV.items() if not k.endswith("ALLOC_CONF")}
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=120).stdout
+    assert out.strip() == "expandable_segments:True"

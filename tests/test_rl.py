@@ -450,6 +450,42 @@ def test_torchrun_two_processes_same_update(reference_run, tool_policy, tmp_path
     assert max_diff(weights(str(out), 1), weights(ref_dir, 1)) < 1e-5
 
 
+SLOW_RANK = """
+import os, sys, time
+sys.path.insert(0, {root!r})
+import rl
+from machinery.exits import exit_worker
+grade = rl.score_phase
+
+
+def slow(*args):  # rank 1 grades {delay} s late: a slow sandbox, long trajectories
+    if os.environ["RANK"] == "1":
+        time.sleep({delay})
+    return grade(*args)
+
+
+rl.score_phase = slow
+rl.main(sys.argv[1:])
+exit_worker()
+"""
+
+
+def test_a_slow_rank_does_not_stop_the_run(tool_policy, tmp_path):
+    """Rank 1 finishes its rollout and grading 12 s after rank 0, twice the --dist_timeout of 6 s:
+    rank 0 waits for the rewards on the long-timeout group, and the step ends (the gather on the
+    default group stopped the job after --dist_timeout)."""
+    script = tmp_path / "slow_rank.py"
+    script.write_text(SLOW_RANK.format(root=ROOT, delay=12))
+    out = tmp_path / "slow"
+    options = small_run(tool_policy, out, steps=1, dist_timeout=0.1)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(script), *as_args(options)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert list(metrics(str(out))) == [1]
+
+
 def test_nan_loss_stops_with_the_step(tool_policy, tmp_path, monkeypatch):
     real = rl.grpo_tcr_loss
 

@@ -330,13 +330,14 @@ def test_qwen3_hybrid_thinking_template(tiny_tokenizer):
     assert all(r.startswith("<tool_call>") or r.startswith(m["content"]) for r, m in zip(runs[:-1], assistant))
 
 
-def test_fsdp_syncs_gradients_once_per_step(tiny_ckpt, tmp_path, monkeypatch):
-    """Under torchrun (here a world of one, FSDP2 for real) the gradients are reduced once per
-    optimizer step, after the last micro-batch, not after every micro-batch."""
-    from torch.distributed.fsdp import FSDPModule
-    calls = []
-    real = FSDPModule.set_requires_gradient_sync
-    monkeypatch.setattr(FSDPModule, "set_requires_gradient_sync", lambda self, v, **kw: (calls.append(v), real(self, v, **kw)))
+def test_fsdp_reduce_scatters_every_micro_batch(tiny_ckpt, tmp_path, monkeypatch):
+    """Under torchrun (here a world of one, FSDP2 for real) each micro-batch's gradient is
+    reduce-scattered as its backward ends, as in rl.update: none is held unsharded between
+    micro-batches (synced once per step, every rank held the whole model's in fp32)."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+    calls, real = [], _fsdp_param_group.foreach_reduce
+    monkeypatch.setattr(_fsdp_param_group, "foreach_reduce",
+                        lambda *a, **k: (calls.append(1), real(*a, **k))[1])
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "1")
     monkeypatch.setenv("LOCAL_RANK", "0")
@@ -344,6 +345,7 @@ def test_fsdp_syncs_gradients_once_per_step(tiny_ckpt, tmp_path, monkeypatch):
     monkeypatch.setenv("MASTER_PORT", str(29500 + os.getpid() % 1000))
     data = write_fixture(tmp_path / "d.jsonl", 16, seed=6)
     sft.train(config(tiny_ckpt, data, tmp_path / "fsdp", max_steps=2, micro_batch_tokens=1024))
-    per_step = len(calls) // 2
-    assert per_step > 1 and calls == ([False] * (per_step - 1) + [True]) * 2, calls
-    assert len(train_losses(tmp_path / "fsdp")) == 2
+    with open(tmp_path / "fsdp" / "metrics.jsonl") as f:
+        micro = [e["micro_batches"] for e in map(json.loads, f) if e["event"] == "train"]
+    units = 1 + Transformer.from_pretrained(tiny_ckpt).config.num_hidden_layers
+    assert len(micro) == 2 and max(micro) > 1 and len(calls) == sum(micro) * units
