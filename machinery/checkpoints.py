@@ -81,19 +81,17 @@ def claim(out_dir, stage, resume=None):
 def move_aside(out_dir, stage):
     """A run's files in out_dir (checkpoints, metrics, summary, all beside them) into a new
     out_dir.replaced-N, which the line printed names."""
-    names = os.listdir(out_dir)
+    names = [n for n in os.listdir(out_dir) if n != LOCK]
     if not any(n.startswith("step_") or n in ("metrics.jsonl", "summary.json") for n in names):
         return
-    n = 1
-    while os.path.exists(f"{os.path.normpath(out_dir)}.replaced-{n}"):
+    base, n = os.path.normpath(out_dir), 1
+    while os.path.exists(f"{base}.replaced-{n}"):
         n += 1
-    aside = f"{os.path.normpath(out_dir)}.replaced-{n}"
-    os.makedirs(aside)
+    os.makedirs(f"{base}.replaced-{n}")
     for name in names:
-        if name != LOCK:
-            os.rename(os.path.join(out_dir, name), os.path.join(aside, name))
-    print(f"{stage}: starting a new run in {out_dir}; the run that was there is now in {aside}",
-          flush=True)
+        os.rename(os.path.join(out_dir, name), os.path.join(f"{base}.replaced-{n}", name))
+    print(f"{stage}: starting a new run in {out_dir}; the run that was there is now in "
+          f"{base}.replaced-{n}", flush=True)
 
 
 def checkpoints(out_dir, resumable=False):

@@ -66,10 +66,8 @@ def parse_config(cls, argv, doc="", presets=None):
     for f in dataclasses.fields(cls):
         default = values.get(f.name, f.default)
         names = sorted({f"--{f.name}", f"--{f.name.replace('_', '-')}"})
-        if type(f.default) is bool:
-            kind = dict(type=_bool, nargs="?", const=True)
-        else:
-            kind = dict(type=type(f.default))
+        kind = (dict(type=_bool, nargs="?", const=True) if type(f.default) is bool
+                else dict(type=type(f.default)))
         help_text = f"{comments.get(f.name, '')} (default: {default!r})".lstrip()
         p.add_argument(*names, dest=f.name, default=default, help=help_text, **kind)
         known += names
@@ -78,9 +76,7 @@ def parse_config(cls, argv, doc="", presets=None):
         flag = next((a for a in unknown if a.startswith("-")), unknown[0])
         close = difflib.get_close_matches(flag.split("=")[0], known, 1)
         p.error(f"unrecognized argument {flag}" + (f": did you mean {close[0]}?" if close else ""))
-    args = vars(args)
-    args.pop("preset", None)
-    return cls(**args)
+    return cls(**{k: v for k, v in vars(args).items() if k != "preset"})
 
 
 def named(argv):
@@ -94,14 +90,10 @@ def refuse(name, value, allowed):
     raise SystemExit(f"--{name}={shown}: {allowed}")
 
 
-def _number(value):
-    return (isinstance(value, (int, float)) and not isinstance(value, bool)
-            and math.isfinite(value))
-
-
 def _allows(value, rule):
     """rule: '>= x', '> x', or an interval '[a, b)' (round brackets: open ends)."""
-    if not _number(value):
+    if not (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value)):
         return False
     if rule.startswith(">"):
         low = float(rule.lstrip(">="))

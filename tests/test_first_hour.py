@@ -1,7 +1,7 @@
-"""A user's first hour: the README's examples work as written, no run is lost or clobbered (a lock on
-the output directory, a fresh start moves the old run aside, the toy SFT saves checkpoints and resumes),
-bad input gets one line (a flag typo, a directory without a model, an out_dir that cannot be written, a
-full disk), and nothing silently does something else than it says."""
+"""A user's first hour: the README's examples work as written, no run is lost or clobbered (a
+lock on the output directory, a fresh start moves the old run aside, the toy SFT saves checkpoints
+and resumes), bad input gets one line (a flag typo, a directory without a model, an out_dir that
+cannot be written, a full disk), and nothing silently does something else than it says."""
 import errno
 import json
 import os
@@ -36,45 +36,51 @@ def in_tmp(tmp_path, monkeypatch):
 @pytest.fixture
 def problems(tmp_path):
     path = tmp_path / "problems.jsonl"
-    path.write_text("".join(json.dumps({"prompt": f"What is {i} + {i}?", "answer": str(2 * i), "kind": "math"})
-                            + "\n" for i in range(4)))
+    rows = [{"prompt": f"What is {i} + {i}?", "answer": str(2 * i), "kind": "math"}
+            for i in range(4)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return str(path)
 
 
 def tiny_rl(tiny_ckpt, data, out, **kw):
     """A tiny run's flags: a few seconds on a CPU."""
-    options = dict(model=tiny_ckpt, data=data, out_dir=str(out), steps=2, prompts_per_step=2, samples_per_prompt=2,
-                   mini_batch_prompts=2, max_response_tokens=16, overlong_buffer=8, max_turns=2, save_every=1,
-                   micro_batch_tokens=2048, logprob_micro_batch_tokens=2048, activation_checkpointing=False,
-                   log_samples=0)
+    options = dict(model=tiny_ckpt, data=data, out_dir=str(out), steps=2, prompts_per_step=2,
+                   samples_per_prompt=2, mini_batch_prompts=2, max_response_tokens=16,
+                   overlong_buffer=8, max_turns=2, save_every=1, micro_batch_tokens=2048,
+                   logprob_micro_batch_tokens=2048, activation_checkpointing=False, log_samples=0)
     options.update(kw)
     return [f"--{k}={v}" for k, v in options.items()]
 
 
-# ----------------------------------------------------------------------------- 1: the README's examples
-def test_resume_mismatch_advice_works_and_never_rewrites_a_finished_run(tiny_ckpt, problems, tmp_path, capsys):
+# ------------------------------------------------------------------ 1: the README's examples
+def test_resume_mismatch_advice_works_and_never_rewrites_a_finished_run(tiny_ckpt, problems,
+                                                                        tmp_path, capsys):
     out = tmp_path / "run"
     rl.main(tiny_rl(tiny_ckpt, problems, out))                         # a finished run of 2 steps
     summary = (out / "summary.json").read_bytes()
     with pytest.raises(SystemExit) as stop:                           # the same out_dir, --steps 1
         rl.main(tiny_rl(tiny_ckpt, problems, out, steps=1))
     said = one_line(stop)
-    assert "--steps is 1" in said and "pass another --out_dir" in said and "--resume=false" in said, said
-    with pytest.raises(SystemExit) as stop:   # continuing anyway has nothing to train: refused, not a new summary
+    assert "--steps is 1" in said and "pass another --out_dir" in said, said
+    assert "--resume=false" in said, said
+    # continuing anyway has nothing to train: refused, instead of a new summary
+    with pytest.raises(SystemExit) as stop:
         rl.main(tiny_rl(tiny_ckpt, problems, out, steps=1, resume_override="true"))
     assert "nothing left to train" in one_line(stop)
     assert (out / "summary.json").read_bytes() == summary
     capsys.readouterr()
-    rl.main(tiny_rl(tiny_ckpt, problems, out, steps=1, resume="false"))   # the advice: start over, old run aside
+    # the advice: start over, the old run moved aside
+    rl.main(tiny_rl(tiny_ckpt, problems, out, steps=1, resume="false"))
     assert f"the run that was there is now in {out}.replaced-1" in capsys.readouterr().out
     assert (tmp_path / "run.replaced-1" / "summary.json").read_bytes() == summary
     assert json.load(open(out / "summary.json"))["steps"] == 1
     assert [s for s, _ in checkpoints(str(out))] == [1]
 
 
-# ----------------------------------------------------------------------------- 2: no run lost or clobbered
-def test_a_second_run_into_the_same_out_dir_is_refused_and_a_killed_one_never_wedges_it(tiny_ckpt, problems,
-                                                                                       tmp_path):
+# ------------------------------------------------------------------ 2: no run lost or clobbered
+def test_a_second_run_into_one_out_dir_is_refused_and_a_killed_one_never_wedges_it(tiny_ckpt,
+                                                                                  problems,
+                                                                                  tmp_path):
     out = tmp_path / "run"
     flags = tiny_rl(tiny_ckpt, problems, out, steps=1000)
     first = subprocess.Popen([sys.executable, os.path.join(ROOT, "rl.py"), *flags], cwd=tmp_path,
@@ -84,10 +90,11 @@ def test_a_second_run_into_the_same_out_dir_is_refused_and_a_killed_one_never_we
         while not (out / "step_000001").exists() and first.poll() is None:
             time.sleep(0.05)
         assert first.poll() is None, "the first run ended"
-        with pytest.raises(SystemExit) as stop:        # a second run, with another --steps: refused first by the lock
+        with pytest.raises(SystemExit) as stop:   # a second run (another --steps): the lock first
             rl.main(tiny_rl(tiny_ckpt, problems, out, steps=2))
         said = one_line(stop)
-        assert said.startswith(f"{out} is in use by another run (pid {first.pid} on ") and "rl.py" in said, said
+        assert said.startswith(f"{out} is in use by another run (pid {first.pid} on "), said
+        assert "rl.py" in said, said
     finally:
         first.send_signal(signal.SIGKILL)
         first.wait()
@@ -104,13 +111,14 @@ def sft_records(path, n=24):
     return str(path)
 
 
-def test_sft_saves_as_it_goes_and_the_same_command_resumes(tiny_ckpt, tmp_path, monkeypatch, capsys):
+def test_sft_saves_as_it_goes_and_the_same_command_resumes(tiny_ckpt, tmp_path, monkeypatch,
+                                                           capsys):
     toy = sft.parse_args(["--preset=toy"])
-    assert 0 < toy.save_every <= 100   # the toy run (1,122 steps, 10-30 min) keeps its work on Ctrl-C
+    assert 0 < toy.save_every <= 100   # the toy run (1,122 steps, 10-30 min) keeps its work
     out = tmp_path / "sft"
-    argv = [f"--model={tiny_ckpt}", f"--data={sft_records(tmp_path / 'd.jsonl')}", f"--out_dir={out}",
-            "--batch_size=4", "--max_steps=4", "--save_every=2", "--eval_size=0", "--max_len=256",
-            "--micro_batch_tokens=1024", "--progress=false"]
+    argv = [f"--model={tiny_ckpt}", f"--data={sft_records(tmp_path / 'd.jsonl')}",
+            f"--out_dir={out}", "--batch_size=4", "--max_steps=4", "--save_every=2",
+            "--eval_size=0", "--max_len=256", "--micro_batch_tokens=1024", "--progress=false"]
     real_save = sft.save
 
     def ctrl_c_after_step_3(run):
@@ -123,23 +131,26 @@ def test_sft_saves_as_it_goes_and_the_same_command_resumes(tiny_ckpt, tmp_path, 
     assert stop.value.code == 130
     assert "the newest checkpoint is" in capsys.readouterr().err
     monkeypatch.setattr(sft, "save", real_save)
-    sft.main(argv)                                           # the same command: resumed, not started over
+    sft.main(argv)                                  # the same command: resumed, not started over
     assert f"resumed from {out / 'step_000002'} at step 2" in capsys.readouterr().out
-    steps = [r["step"] for r in map(json.loads, open(out / "metrics.jsonl")) if r.get("event") == "train"]
+    steps = [r["step"] for r in map(json.loads, open(out / "metrics.jsonl"))
+             if r.get("event") == "train"]
     assert steps == [1, 2, 3, 4]
 
 
-# ----------------------------------------------------------------------------- 3: one line, never a traceback
+# ------------------------------------------------------------------ 3: one line, never a traceback
 def test_a_flag_typo_is_one_line_naming_the_closest_flag():
-    for main, argv, said in ((rl.parse_args, ["--step", "5"], "unrecognized argument --step: did you mean --steps?"),
-                             (sft.parse_args, ["--preset=toy", "--max-step=5"], "did you mean --max-steps?"),
-                             (evaluate.parse_config, ["--top_q=0.5"], "did you mean --top_p?")):
+    for main, argv, said in (
+            (rl.parse_args, ["--step", "5"], "unrecognized argument --step: did you mean --steps?"),
+            (sft.parse_args, ["--preset=toy", "--max-step=5"], "did you mean --max-steps?"),
+            (evaluate.parse_config, ["--top_q=0.5"], "did you mean --top_p?")):
         with pytest.raises(SystemExit) as stop:
             main(argv)
         assert said in one_line(stop)
 
 
-def test_paths_that_cannot_work_are_one_line_before_anything_is_written(in_tmp, tiny_ckpt, problems, monkeypatch):
+def test_paths_that_cannot_work_are_one_line_before_anything_is_written(in_tmp, tiny_ckpt,
+                                                                       problems, monkeypatch):
     def refused(main, argv):
         with pytest.raises(SystemExit) as stop:
             main(argv)
@@ -151,23 +162,26 @@ def test_paths_that_cannot_work_are_one_line_before_anything_is_written(in_tmp, 
     open("run/final/config.json", "w").close()
     open("file", "w").close()
     real_access = os.access   # root writes anywhere: a read-only disk is what access() says of it
-    monkeypatch.setattr(os, "access", lambda p, mode, **kw: False if p == str(in_tmp / "readonly") else
-                        real_access(p, mode, **kw))
+    monkeypatch.setattr(os, "access", lambda p, mode, **kw: p != str(in_tmp / "readonly")
+                        and real_access(p, mode, **kw))
     base = [f"--model={tiny_ckpt}", f"--data={problems}"]
     assert refused(rl.main, base + ["--model=empty"]) == (
-        "--model='empty': holds no model (a Hugging Face directory has config.json and model.safetensors)")
+        "--model='empty': holds no model (a Hugging Face directory has config.json and "
+        "model.safetensors)")
     assert refused(evaluate.main, base + ["--model=run"]).endswith("; did you mean run/final?")
     assert refused(rl.main, base + ["--out_dir=file/run"]) == (
         f"--out_dir='file/run': {in_tmp / 'file'} is a file; allowed: a directory")
-    assert refused(sft.main, ["--model=toy", f"--data={problems}", "--out_dir=readonly/run"]).endswith(
-        "readonly cannot be written (a read-only disk, or another user's)")
-    assert refused(evaluate.main, base + ["--out=file"]).startswith("--out='file': allowed: a directory")
+    said = refused(sft.main, ["--model=toy", f"--data={problems}", "--out_dir=readonly/run"])
+    assert said.endswith("readonly cannot be written (a read-only disk, or another user's)")
+    said = refused(evaluate.main, base + ["--out=file"])
+    assert said.startswith("--out='file': allowed: a directory")
     sys.path.insert(0, os.path.join(ROOT, "scripts"))
     try:
         import chat
     finally:
         sys.path.remove(os.path.join(ROOT, "scripts"))
-    assert refused(chat.main, ["--model=run/fnial"]).startswith("--model='run/fnial': no such directory")
+    said = refused(chat.main, ["--model=run/fnial"])
+    assert said.startswith("--model='run/fnial': no such directory")
     assert refused(chat.main, ["--model=empty"]).startswith("--model='empty': holds no model")
 
 
@@ -180,20 +194,22 @@ def test_a_full_disk_is_one_line_naming_the_file(tiny_ckpt, problems, tmp_path, 
     monkeypatch.setattr(rl, "save_checkpoint", full)
     with pytest.raises(SystemExit) as stop:
         rl.main(tiny_rl(tiny_ckpt, problems, out, steps=1))
-    assert one_line(stop) == (f"rl.py: stopped: {file}: the disk is full (No space left on device); no "
-                              f"checkpoint yet: the same command starts again")
+    assert one_line(stop) == (f"rl.py: stopped: {file}: the disk is full (No space left on "
+                              f"device); no checkpoint yet: the same command starts again")
 
     def unnamed(*args, **kwargs):   # torch.save's words for it: no errno, no file
-        raise RuntimeError("[enforce fail at inline_container.cc:778] . PytorchStreamWriter failed writing file")
+        raise RuntimeError("[enforce fail at inline_container.cc:778] . PytorchStreamWriter "
+                           "failed writing file data/0: file write failed")
     from machinery import exits
     monkeypatch.setattr(rl, "save_checkpoint", unnamed)
-    monkeypatch.setattr(exits.shutil, "disk_usage", lambda path: SimpleNamespace(free=0))   # and nothing left
+    monkeypatch.setattr(exits.shutil, "disk_usage", lambda path: SimpleNamespace(free=0))
     with pytest.raises(SystemExit) as stop:
         rl.main(tiny_rl(tiny_ckpt, problems, out, steps=1, resume="false"))
-    assert one_line(stop).startswith(f"rl.py: stopped: {out}: the disk is full (RuntimeError: [enforce fail")
+    said = one_line(stop)
+    assert said.startswith(f"rl.py: stopped: {out}: the disk is full (RuntimeError: [enforce"), said
 
 
-# ----------------------------------------------------------------------------- 4: no silent wrong result
+# ------------------------------------------------------------------ 4: no silent wrong result
 def test_evaluate_refuses_an_empty_problem_file(in_tmp, tiny_ckpt):
     open("empty.jsonl", "w").close()
     with pytest.raises(SystemExit, match=r"^empty\.jsonl: no problems$"):
@@ -202,7 +218,7 @@ def test_evaluate_refuses_an_empty_problem_file(in_tmp, tiny_ckpt):
 
 
 def test_epochs_with_the_toy_preset_does_what_it_says():
-    cfg = rl.parse_args(["--preset=toy", "--epochs=3"])   # the preset's 20 steps no longer outrank it
+    cfg = rl.parse_args(["--preset=toy", "--epochs=3"])   # the preset's 20 steps yield to it
     assert (cfg.epochs, cfg.steps, cfg.prompts_per_step) == (3, 0, rl.TOY["prompts_per_step"])
     assert rl.parse_args(["--preset=toy", "--steps=7"]).steps == 7
     with pytest.raises(SystemExit) as stop:
@@ -211,23 +227,24 @@ def test_epochs_with_the_toy_preset_does_what_it_says():
 
 
 def test_more_prompts_per_step_than_problems_is_refused(tiny_ckpt, problems, tmp_path):
-    with pytest.raises(SystemExit) as stop:   # as verl's empty dataloader: a step would repeat problems
+    with pytest.raises(SystemExit) as stop:   # as verl's empty dataloader: steps would repeat
         rl.main(tiny_rl(tiny_ckpt, problems, tmp_path / "run", steps=1, prompts_per_step=8))
     assert one_line(stop).startswith("--prompts_per_step=8: allowed: at most the 4 problems of ")
 
 
-# ----------------------------------------------------------------------------- 5: evaluate.py as easy as rl.py
+# ------------------------------------------------------------------ 5: evaluate.py as easy as rl.py
 def test_evaluate_toy_preset_keeps_the_toy_settings_and_rolls_out_in_one_call(in_tmp, monkeypatch):
     cfg = evaluate.parse_config(["--preset=toy", "--n=2"])
     from data import toy
     assert (cfg.n, cfg.data, cfg.max_response_tokens, cfg.top_p) == (2, toy.HELDOUT, 384, 0.6)
     import rollout
     calls, real = [], rollout.rollout
-    monkeypatch.setattr(rollout, "rollout", lambda model, tok, batch, *a, **k: calls.append(len(batch))
-                        or real(model, tok, batch, *a, **k))
+    monkeypatch.setattr(rollout, "rollout", lambda model, tok, batch, *a, **k:
+                        calls.append(len(batch)) or real(model, tok, batch, *a, **k))
     evaluate.main(["--preset=toy", "--limit=12"])   # 36 problems, one sample each
     assert calls == [36]   # one rollout call (8 problems a call made the toy's 200 take 25)
-    assert json.load(open(os.path.join(toy.ROOT, "eval", "summary.json")))["overall"]["problems"] == 36
+    summary = json.load(open(os.path.join(toy.ROOT, "eval", "summary.json")))
+    assert summary["overall"]["problems"] == 36
 
 
 # ----------------------------------------------------------------------------- 6: --help
@@ -237,7 +254,8 @@ def test_help_shows_the_preset_values_and_the_examples_as_written(capsys):
         with pytest.raises(SystemExit):
             main(argv)
     text = capsys.readouterr().out
-    assert "Qwen/Qwen3-4B-Instruct-2507 \\\n        --data data/sft.jsonl" in text   # two lines, as typed
+    assert "Qwen/Qwen3-4B-Instruct-2507 \\\n        --data data/sft.jsonl" in text   # as typed
     flat = " ".join(text.split())   # argparse wraps lines
-    assert "--max_response_tokens MAX_RESPONSE_TOKENS tool-reply tokens count too (default: 384)" in flat
+    assert ("--max_response_tokens MAX_RESPONSE_TOKENS tool-reply tokens count too "
+            "(default: 384)") in flat
     assert "(default: 'runs/toy/eval')" in flat
