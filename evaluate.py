@@ -15,6 +15,7 @@ always, tagged easy / medium / hard, with a histogram in FILE.hist.json.
         --filter_out data/rl_filtered.jsonl
     torchrun --nproc_per_node 8 evaluate.py -- --model DIR --n 32      # problems split across ranks
     python evaluate.py                           # the toy task's held-out set, newest toy policy
+    python evaluate.py --preset toy --model runs/toy/rl/step_000010 --n 4   # the toy, other flags
 
 Departures from the paper: the math grader normalises both sides (\\dfrac, \\text{} units, "x = 5",
 thousands separators, zero padding) before its exact match; LiveCodeBench runs in this project's
@@ -33,6 +34,7 @@ from collections import Counter, defaultdict
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, fields
 
+from data import toy
 from machinery.code_grading import run_tests  # the code grader's runner; evaluate.run_tests too
 from machinery.final_answer import boxed_answer, final_answer_text, normalize_choice, normalize_math
 
@@ -60,7 +62,7 @@ class EvalConfig:
     pass_k: str = ""                    # e.g. "1,8,32"; default 1 and n
     verl_metrics: bool = False          # also verl's bootstrap maj@k/mean and best@k/mean
     limit: int = 0                      # first N problems of each benchmark (0: all)
-    problems_per_batch: int = 8         # problems per rollout call; also the unit of resuming
+    problems_per_batch: int = 0         # per rollout call, the unit of resuming (0: 256 samples)
     filter_out: str = ""                # model-aware filtering: write the kept problems here
     seed: int = 0
     dtype: str = ""                     # "" = bfloat16 on CUDA, float32 on CPU
@@ -348,6 +350,8 @@ def load_problems(cfg):
             raise SystemExit(f"benchmark file {path} not found" + hint)
         rows = with_uids([dict(p, benchmark=bench) if bench else p for p in load_jsonl(path)],
                          os.path.splitext(os.path.basename(path))[0])
+        if not rows:
+            raise SystemExit(f"{path}: no problems")
         seen = Counter()
         for p in rows:
             seen[p["benchmark"]] += 1
@@ -409,7 +413,7 @@ def evaluate(model, tokenizer, problems, cfg, out_dir=None, progress=True, engin
         done = read_done(sorted(glob.glob(os.path.join(out_dir, "trajectories*.jsonl"))), cfg.n)
     records = [r for p in mine if p["uid"] in done for r in done[p["uid"]]]
     todo = [p for p in mine if p["uid"] not in done]
-    bs = max(1, cfg.problems_per_batch)
+    bs = batch_problems(cfg.n, cfg.problems_per_batch)
     # the sampling and tool settings share their names; the seed goes per problem below
     rcfg = rollout.RolloutConfig(**{f.name: getattr(cfg, f.name)
                                     for f in fields(rollout.RolloutConfig) if f.name != "seed"})
@@ -446,6 +450,13 @@ def evaluate(model, tokenizer, problems, cfg, out_dir=None, progress=True, engin
     return records, summarize(lights, ks, cfg.verl_metrics)
 
 
+def batch_problems(n, problems_per_batch):
+    """Problems per rollout call: as given, else enough for 256 samples (the recipe's 8 problems
+    x 32), at least 8. One sample each (the toy's 200) is then one call, not 25 of 8 sequences:
+    a step of the Engine costs about the same for 8 sequences as for 200."""
+    return problems_per_batch or max(8, 256 // n)
+
+
 def write_filtered(problems, records, out_path):
     """The paper's model-aware filtering: drop the problems solved in every sample or in none,
     tag the rest easy (pass rate >= 0.75), hard (<= 0.25) or medium; a histogram beside them."""
@@ -474,17 +485,21 @@ def write_filtered(problems, records, out_path):
 
 def parse_config(argv):
     from machinery.flags import parse_config as parse
-    return parse(EvalConfig, argv, __doc__)
+    # `--preset toy` (and no arguments): the toy's held-out set with the settings rl.py evaluates
+    # it by; --model toy: the newest toy policy (toy_policy)
+    preset = dict(model="toy", data=toy.HELDOUT, out=os.path.join(toy.ROOT, "eval"), **toy.EVAL)
+    return parse(EvalConfig, argv, __doc__, presets={"toy": preset})
 
 
 def check(cfg):  # every flag before anything is loaded or written: one line on a bad value
     from machinery import flags
     flags.rule(cfg.model != "", "model", cfg.model, "required: a checkpoint directory")
-    flags.ranges(cfg, {">= 0": "limit seed", ">= 1": "n problems_per_batch",
+    flags.ranges(cfg, {">= 0": "limit seed problems_per_batch", ">= 1": "n",
                         "> 0": "code_test_timeout"})
     flags.rollout(cfg)
     flags.choices(cfg, dtype=("", "float32", "bfloat16", "float16"),
                    attn_backend=("auto", "sdpa", "flash"))
+    flags.output_dir(cfg, "out", optional=True)
     ks = cfg.pass_k.replace(",", " ").split()
     flags.rule(all(k.isdigit() and 0 < int(k) <= cfg.n for k in ks), "pass_k", cfg.pass_k,
                 f"allowed: comma-separated k, each 1 to --n ({cfg.n})")
@@ -492,22 +507,15 @@ def check(cfg):  # every flag before anything is loaded or written: one line on 
                 "allowed: names of <data_dir>/<name>.jsonl files, or --data FILE")
     flags.rule(not cfg.filter_out or cfg.n >= 2, "n", cfg.n,
                 "allowed with --filter_out: at least 2 (it keeps problems solved only sometimes)")
-    flags.input_file(cfg, "data", optional=True)
+    flags.input_file(cfg, "data", optional=True, skip=(toy.HELDOUT,))  # toy.ensure writes it
     flags.model_dir(cfg)
 
 
-def toy_arguments():
-    """`python evaluate.py` alone: the toy held-out set with the toy preset's settings
-    (data/toy.py), on the newest toy policy: the RL run's last checkpoint, else the SFT start it
+def toy_policy():
+    """--model toy: the newest toy policy, the RL run's last checkpoint, else the SFT start it
     began from."""
-    from data import toy
-    toy.ensure()
     rl_final = os.path.join(toy.ROOT, "rl", "final")
-    model = rl_final if os.path.exists(os.path.join(rl_final, "config.json")) else toy.sft_start()
-    print(f"evaluate.py: the toy task, {model} on {toy.HELDOUT}")
-    out = os.path.join(toy.ROOT, "eval")
-    return ([f"--model={model}", f"--data={toy.HELDOUT}", f"--out={out}"]
-            + [f"--{k}={v}" for k, v in toy.EVAL.items()])
+    return rl_final if os.path.exists(os.path.join(rl_final, "config.json")) else toy.sft_start()
 
 
 def main(argv=None):
@@ -516,19 +524,26 @@ def main(argv=None):
     allocator_defaults()  # before CUDA starts
     import torch
     from machinery import eval_resume
+    from machinery.checkpoints import claim
     from machinery.exits import quiet_interrupt
     from machinery.run_log import Metrics
     from model import Transformer, attention_path
     from transformers import AutoTokenizer
     argv = sys.argv[1:] if argv is None else argv
-    cfg = parse_config(argv or toy_arguments())
+    cfg = parse_config(argv or ["--preset=toy"])
     check(cfg)
+    if cfg.data == toy.HELDOUT:
+        toy.ensure()
+    if cfg.model == "toy":
+        cfg.model = toy_policy()
+        print(f"evaluate.py: the toy policy {cfg.model} on {cfg.data}")
     model_name = os.path.basename(os.path.normpath(cfg.model))
     out_dir = cfg.out or os.path.join("runs", "eval", model_name)
-    say = (f"evaluate.py: interrupted; the finished problems are kept in {out_dir}, and the same "
-           f"command goes on from there")
-    with quiet_interrupt(lambda: say), distributed() as (rank, world, device, _):
-        problems = load_problems(cfg)
+    say = (lambda why: f"evaluate.py: {why}; the finished problems are kept in {out_dir}, and "
+           f"the same command goes on from there")
+    problems = load_problems(cfg)  # a bad problem file stops it before anything is written
+    with (quiet_interrupt(say, out_dir), distributed() as (rank, world, device, _),
+          claim(out_dir, "evaluate.py")):
         start_sandbox(cfg.sandbox_workers, cfg.sandbox_require, rank)
         cfg.model = same_model(resolve_model(cfg.model))  # every rank the same weights, or stop
         if rank == 0:

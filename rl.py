@@ -50,7 +50,8 @@ import rollout
 import sandbox
 from data import toy
 from machinery import flags, memory_plan
-from machinery.checkpoints import check_resume, latest_resumable, load_checkpoint, save_checkpoint
+from machinery.checkpoints import (check_resume, claim, latest_resumable, load_checkpoint,
+                                   save_checkpoint)
 from machinery.distributed import (all_gather_list, all_reduce, allocator_defaults,
                                    broadcast_object, build_model, check_shared, clip_grads,
                                    compute_dtype, distributed, gather_group, gather_objects,
@@ -143,7 +144,13 @@ RESUME_FIELDS = ("data", "seed", "epochs", "steps", "prompts_per_step", "samples
 
 
 def parse_args(argv):
-    return parse_config(Config, argv, __doc__, presets={"toy": TOY})
+    cfg = parse_config(Config, argv, __doc__, presets={"toy": TOY})
+    named = flags.named(argv)
+    if "epochs" in named:  # the toy preset counts in steps: an explicit --epochs is obeyed
+        flags.rule("steps" not in named or cfg.steps == 0, "epochs", cfg.epochs,
+                   "counts only when --steps is 0; pass one of the two")
+        cfg.steps = 0
+    return cfg
 
 
 def check(cfg):  # every flag before anything is loaded or written: one line on a bad value
@@ -346,7 +353,8 @@ class Run:
 def train(cfg):
     """Run GRPO-TCR as configured; returns the summary dict (also out_dir/summary.json)."""
     check(cfg)
-    with distributed(timeout_minutes=cfg.dist_timeout) as (rank, world, device, sharded):
+    with (distributed(timeout_minutes=cfg.dist_timeout) as (rank, world, device, sharded),
+          claim(cfg.out_dir, "rl.py", cfg.resume)):
         if cfg.model == "toy":  # the toy preset: its problem files, and the SFT start
             if rank == 0:
                 toy.ensure()
@@ -408,6 +416,9 @@ def setup(cfg, rank, world, device, sharded):
     if eval_problems:
         eval_problems = drop_overlong(eval_problems, tokenizer, rcfg, cfg.max_prompt_tokens,
                                       cfg.eval_data)
+    if cfg.prompts_per_step > len(problems):  # verl's dataloader would be empty: it refuses too
+        flags.refuse("prompts_per_step", cfg.prompts_per_step, f"allowed: at most the "
+                     f"{len(problems)} problems of {cfg.data} (a step would repeat problems)")
     steps = cfg.steps or max(1, cfg.epochs * len(problems) // cfg.prompts_per_step)
 
     model = build_model(path, device, sharded)
@@ -425,7 +436,7 @@ def setup(cfg, rank, world, device, sharded):
     resume_from = latest_resumable(cfg.out_dir) if cfg.resume else None
     if resume_from:
         trainer = load_checkpoint(resume_from, model, opt)
-        check_resume(trainer["config"], asdict(cfg), RESUME_FIELDS, cfg.resume_override)
+        check_resume(trainer, asdict(cfg), RESUME_FIELDS, steps, resume_from)
         start, evals = trainer["step"], trainer["evals"]
         print0(f"resumed from {resume_from} at step {start}")
     metrics = Metrics(os.path.join(cfg.out_dir, "metrics.jsonl"), cfg, start)
@@ -642,7 +653,7 @@ def make_engine(model, cfg, device, world, evaluating):
     moments: the measured step allocates its own."""
     seqs = -(-cfg.prompts_per_step // world) * cfg.samples_per_prompt
     if evaluating:
-        seqs = max(seqs, evaluate.EvalConfig.problems_per_batch * cfg.eval_n)
+        seqs = max(seqs, evaluate.batch_problems(cfg.eval_n, 0) * cfg.eval_n)
     budget, peaks, dtype = None, {}, compute_dtype(device)
     if device.type == "cuda":
         this = sys.modules[__name__]  # its full_weights, score_tokens, update: the step's own
@@ -870,7 +881,7 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     allocator_defaults()  # before CUDA starts
     cfg = parse_args(argv or ["--preset=toy"])  # no arguments: the toy preset
-    with quiet_interrupt(lambda: resume_line("rl.py", cfg.out_dir)):
+    with quiet_interrupt(lambda why: resume_line("rl.py", cfg.out_dir, why), cfg.out_dir):
         train(cfg)
 
 

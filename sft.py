@@ -11,9 +11,12 @@ that resume exactly. Metrics go to out_dir/metrics.jsonl.
 
     python sft.py                        # the toy preset: a tiny model from scratch
     python sft.py --model DIR --data data/sft.jsonl --out_dir runs/sft
-    torchrun --standalone --nproc_per_node 8 sft.py --model Qwen/Qwen3-4B-Instruct-2507 \
+    torchrun --standalone --nproc_per_node 8 sft.py --model Qwen/Qwen3-4B-Instruct-2507 \\
         --data data/sft.jsonl
-    ... --resume                         # continue the newest checkpoint of out_dir
+    python sft.py --preset toy --help    # every flag, with the toy preset's values as defaults
+
+The same command again continues from the newest checkpoint of out_dir (--resume=false: start
+over, the old run moved aside).
 
 Departures from the paper's run (verl fsdp_sft_trainer): a held-out split of eval_size records
 replaces their validation file (the training file itself); the first warmup step already has a
@@ -33,8 +36,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 from machinery import flags
-from machinery.checkpoints import (check_resume, checkpoints, latest_resumable, load_checkpoint,
-                                   save_checkpoint)
+from machinery.checkpoints import (check_resume, checkpoints, claim, latest_resumable,
+                                   load_checkpoint, save_checkpoint)
 from machinery.distributed import (all_reduce, allocator_defaults, barrier, build_model,
                                    check_shared, clip_grads, compute_dtype, distributed, print0,
                                    resolve_model)
@@ -66,7 +69,7 @@ class Config:  # defaults: the repo's SFT script (qwen3-4b-ra-sft), verl's sft_t
     save_every: int = 62           # trainer.save_freq; 0: only at the end
     keep_train_state: int = 1      # newest checkpoints that keep their resume state
     save_dtype: str = "auto"       # saved HF weights: auto (the base's) | float32 | bfloat16
-    resume: bool = False           # continue the newest checkpoint in out_dir
+    resume: bool = True            # continue from out_dir's newest checkpoint if there is one
     resume_override: bool = False  # resume even if the order / schedule fields changed
     seed: int = 0
     gradient_checkpointing: bool = True
@@ -82,7 +85,7 @@ class Config:  # defaults: the repo's SFT script (qwen3-4b-ra-sft), verl's sft_t
 # The toy pipeline (python sft.py): a 0.9M-parameter model from scratch learns in minutes what a
 # 4B model is fine-tuned on; 3 epochs of the 6,000 toy trajectories made data/toy_sft.
 TOY = dict(model="toy", data="toy", out_dir="runs/toy/sft", epochs=3, batch_size=16, lr=2e-3,
-           max_len=2048, micro_batch_tokens=8192, eval_every=20, save_every=0,
+           max_len=2048, micro_batch_tokens=8192, eval_every=20, save_every=100,
            gradient_checkpointing=False)
 RESUME_FIELDS = ("data", "epochs", "batch_size", "max_steps", "lr", "warmup_ratio", "max_len",
                  "too_long", "eval_size", "seed")
@@ -316,7 +319,8 @@ def train(cfg):
     check(cfg)
     if cfg.data != "toy":
         check_data(cfg.data)
-    with distributed(cfg.device, cfg.dist_timeout) as (rank, world, device, sharded):
+    with (distributed(cfg.device, cfg.dist_timeout) as (rank, world, device, sharded),
+          claim(cfg.out_dir, "sft.py", cfg.resume)):
         return _train(cfg, rank, world, device, sharded)
 
 
@@ -370,9 +374,6 @@ def setup(cfg, rank, world, device, sharded):
     """Data (rendered, a held-out split chosen by seed, the short last batch dropped), model,
     optimizer and schedule (resumed when asked), the metrics file."""
     from transformers import AutoTokenizer
-    if checkpoints(cfg.out_dir) and not cfg.resume:  # before anything is written there
-        raise SystemExit(f"{cfg.out_dir} already holds checkpoints; pass --resume to continue "
-                         f"that run, or choose another --out_dir")
     if rank == 0:
         os.makedirs(cfg.out_dir, exist_ok=True)
         for name in os.listdir(cfg.out_dir):  # leftovers of a run killed while saving
@@ -414,7 +415,7 @@ def setup(cfg, rank, world, device, sharded):
     step, resume_from = 0, latest_resumable(cfg.out_dir) if cfg.resume else None
     if resume_from:
         trainer = load_checkpoint(resume_from, model, optimizer)
-        check_resume(trainer["config"], asdict(cfg), RESUME_FIELDS, cfg.resume_override)
+        check_resume(trainer, asdict(cfg), RESUME_FIELDS, total_steps, resume_from)
         scheduler.load_state_dict(trainer["scheduler"])
         step = trainer["step"]
         print0(f"resumed from {resume_from} at step {step}")
@@ -520,8 +521,7 @@ def main(argv=None):
     allocator_defaults()  # before CUDA starts
     cfg = parse_args(argv or ["--preset=toy"])  # no arguments: the toy preset
     try:
-        with quiet_interrupt(lambda: resume_line("sft.py", cfg.out_dir,
-                                                 "the same command with --resume")):
+        with quiet_interrupt(lambda why: resume_line("sft.py", cfg.out_dir, why), cfg.out_dir):
             train(cfg)
     except DataError as e:
         raise SystemExit(f"bad SFT data: {e}")

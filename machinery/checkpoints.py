@@ -1,12 +1,16 @@
 """machinery/checkpoints.py: one checkpoint writer and reader for both trainers. A checkpoint is a
 Hugging Face directory (what evaluate.py and the next stage load) plus train_state/ (sharded weights
 and optimizer, each rank's RNG, the trainer's dict) for an exact resume; written under a temporary
-name and renamed once complete, so a killed run leaves the previous one whole."""
+name and renamed once complete, so a killed run leaves the previous one whole. A run holds its
+out_dir (claim): no second run writes there, and a fresh start moves the old run aside."""
 
+import contextlib
+import fcntl
 import os
 import random
 import shutil
 import socket
+import time
 import warnings
 
 import torch
@@ -16,14 +20,78 @@ from machinery.distributed import all_gather_list, barrier, broadcast_object, wo
 from machinery.flags import damaged_weights
 
 
-def check_resume(saved, current, fields_that_matter, allow):
+def check_resume(trainer, current, fields_that_matter, total_steps, path):
     """Refuse to resume a run whose saved config differs in a field that changes the data order
-    or the schedule, naming it, unless `allow` (the --resume_override flag)."""
-    for name in fields_that_matter:
-        if saved.get(name) != current.get(name) and not allow:
-            raise SystemExit(f"--resume: {name} is {current.get(name)!r} but the checkpoint was "
-                             f"made with {saved.get(name)!r}; pass --resume_override=true to "
-                             f"continue anyway")
+    or the schedule, naming it and the ways on, unless --resume_override; and refuse a resume that
+    would train nothing (its checkpoint at or past the last step) and only rewrite the finished
+    run's summary with other settings."""
+    saved, out_dir = trainer["config"], os.path.dirname(path)
+    changed = [f"--{k} is {current.get(k)!r}, {path} was made with {saved.get(k)!r}"
+               for k in fields_that_matter if saved.get(k) != current.get(k)]
+    ways = (f"pass another --out_dir for a new run, or --resume=false to start over in {out_dir} "
+            f"(its run is moved aside)")
+    if changed and not current["resume_override"]:
+        raise SystemExit(f"--resume: {changed[0]}: {ways}, or --resume_override=true to continue "
+                         f"that run with the new settings")
+    if trainer["step"] > total_steps or (changed and trainer["step"] == total_steps):
+        raise SystemExit(f"--resume: {path} is at step {trainer['step']} of a run of "
+                         f"{total_steps} steps: nothing left to train; {ways}")
+
+
+LOCK = ".lock"
+
+
+@contextlib.contextmanager
+def claim(out_dir, stage, resume=None):
+    """The run's hold on out_dir, for a with block. Rank 0 holds an flock on out_dir/.lock (the
+    kernel lets go of it when the process ends, even by kill -9), so a second run into the same
+    directory stops with one line naming the first, instead of both writing there. resume (the
+    trainers'): a run that will start fresh (--resume=false, or no checkpoint to resume) moves a
+    run already in out_dir aside to out_dir.replaced-N, and says so, instead of overwriting it.
+    A collective: every rank stops, or none."""
+    held, problem = None, None
+    if dist.get_rank() == 0:
+        os.makedirs(out_dir, exist_ok=True)
+        held = open(os.path.join(out_dir, LOCK), "a+")
+        try:
+            fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            held.truncate(0)
+            held.write(f"pid {os.getpid()} on {socket.gethostname()}, {stage}, since "
+                       f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+            held.flush()
+        except BlockingIOError:
+            held.seek(0)
+            problem = (f"{out_dir} is in use by another run ({held.read().strip()}): wait for it "
+                       f"to end, or choose another output directory")
+        except OSError as e:  # a filesystem without locks (some network ones)
+            print(f"{out_dir}: cannot lock it ({e.strerror}); nothing stops a second run from "
+                  f"writing there", flush=True)
+        fresh = resume is not None and not (resume and checkpoints(out_dir, resumable=True))
+        if not problem and fresh:
+            move_aside(out_dir, stage)
+    try:
+        if problem := broadcast_object(problem):
+            raise SystemExit(problem)
+        yield
+    finally:
+        if held:
+            held.close()
+
+
+def move_aside(out_dir, stage):
+    """A run's files in out_dir (checkpoints, metrics, summary, all beside them) into a new
+    out_dir.replaced-N, which the line printed names."""
+    names = [n for n in os.listdir(out_dir) if n != LOCK]
+    if not any(n.startswith("step_") or n in ("metrics.jsonl", "summary.json") for n in names):
+        return
+    base, n = os.path.normpath(out_dir), 1
+    while os.path.exists(f"{base}.replaced-{n}"):
+        n += 1
+    os.makedirs(f"{base}.replaced-{n}")
+    for name in names:
+        os.rename(os.path.join(out_dir, name), os.path.join(f"{base}.replaced-{n}", name))
+    print(f"{stage}: starting a new run in {out_dir}; the run that was there is now in "
+          f"{base}.replaced-{n}", flush=True)
 
 
 def checkpoints(out_dir, resumable=False):

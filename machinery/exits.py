@@ -1,50 +1,76 @@
-"""machinery/exits.py: how rl.py, sft.py and evaluate.py leave: after Ctrl-C (quiet_interrupt), and
-as a torchrun worker whose run ended well (exit_worker)."""
+"""machinery/exits.py: how rl.py, sft.py and evaluate.py leave. Ctrl-C, or a disk that is full:
+one line saying where the work is kept and how to go on, no traceback from wherever the run was. A
+torchrun worker whose run ended well: exit_worker."""
 
 import contextlib
+import errno
 import os
+import shutil
 import sys
 
 
+DISK = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is used up",
+        errno.EROFS: "the disk is read-only"}
+
+
 @contextlib.contextmanager
-def quiet_interrupt(say):
-    """Ctrl-C: one line on rank 0, say() (where the work is kept and how to go on), and exit
-    status 130, not a traceback from wherever the run was (the sandbox pool closes at exit,
-    cancelling its queued runs)."""
+def quiet_interrupt(say, where):
+    """Ctrl-C: one line on rank 0, say("interrupted") (where the work is kept and how to go on),
+    and exit status 130, instead of a traceback from wherever the run was (the sandbox pool closes
+    at exit, cancelling its queued runs). A disk that is full or read-only under `where` (the
+    output directory): one line naming the file and the disk, and exit status 1."""
     try:
         yield
     except BaseException as e:
-        if not by_interrupt(e):
-            raise
-        if os.environ.get("RANK", "0") == "0":
-            print(say(), file=sys.stderr, flush=True)
-        raise SystemExit(130) from None
+        if any(isinstance(x, KeyboardInterrupt) for x in causes(e)):
+            if os.environ.get("RANK", "0") == "0":
+                print(say("interrupted"), file=sys.stderr, flush=True)
+            raise SystemExit(130) from None
+        if isinstance(e, Exception) and (trouble := disk_trouble(e, where)):
+            raise SystemExit(say(f"stopped: {trouble}")) from None
+        raise
 
 
-def by_interrupt(error):
-    """Whether error is or wraps a KeyboardInterrupt (dcp.save wraps what stopped its writer in a
-    CheckpointException: failures {rank: (exception, its traceback)})."""
+def causes(error):
+    """error and every exception inside it: causes, contexts, and what dcp.save wraps in a
+    CheckpointException (failures {rank: (exception, its traceback)})."""
     todo, seen = [error], set()
     while todo:
         e = todo.pop()
-        if isinstance(e, KeyboardInterrupt):
-            return True
+        yield e
         seen.add(id(e))
         inner = [w[0] if isinstance(w, tuple) else w for w in getattr(e, "failures", {}).values()]
         todo += [x for x in (e.__cause__, e.__context__, *inner)
                  if isinstance(x, BaseException) and id(x) not in seen]
-    return False
 
 
-def resume_line(stage, out_dir, resume="the same command"):
-    """What quiet_interrupt says for a trainer: its newest resumable checkpoint and the command
-    that resumes from it; without one, that the same command starts again."""
+def disk_trouble(error, where):
+    """'FILE: the disk is full (...)' when error came from a full or read-only disk, else None.
+    safetensors says so in words, torch.save not at all ("file write failed"): then a disk under
+    `where` (the output directory) with nothing left free is taken as the cause."""
+    said = lambda e: f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}"
+    for e in causes(error):
+        for code, words in DISK.items():
+            if isinstance(e, OSError) and e.errno == code:
+                return f"{e.filename or where}: {words} ({e.strerror})"
+            if os.strerror(code) in str(e):
+                return f"{where}: {words} ({said(e)})"
+    try:
+        full = shutil.disk_usage(where).free < 2**20
+    except OSError:
+        return None
+    return f"{where}: {DISK[errno.ENOSPC]} ({said(error)})" if full else None
+
+
+def resume_line(stage, out_dir, why):
+    """What quiet_interrupt says for a trainer: why it stopped, its newest resumable checkpoint
+    and that the same command resumes from it; without one, that it starts again."""
     from machinery.checkpoints import checkpoints
-    if not (found := checkpoints(out_dir, resumable=True)):
-        return f"{stage}: interrupted before its first checkpoint; the same command starts again"
-    step, path = found[-1]
-    return (f"{stage}: interrupted; the newest checkpoint is {path} (step {step}); {resume} "
-            "resumes from it")
+    found = checkpoints(out_dir, resumable=True)
+    if not found:
+        return f"{stage}: {why}; no checkpoint yet: the same command starts again"
+    return (f"{stage}: {why}; the newest checkpoint is {found[-1][1]} (step {found[-1][0]}); "
+            f"the same command resumes from it")
 
 
 def exit_worker():

@@ -7,6 +7,7 @@ result that exits 0)."""
 
 import argparse
 import dataclasses
+import difflib
 import inspect
 import io
 import json
@@ -38,34 +39,49 @@ def _field_comments(cls):
     return comments
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse whose errors are one line (the usage it would print is --help's first 40 lines)."""
+
+    def error(self, message):
+        raise SystemExit(f"{self.prog}: {message} (--help lists every flag)")
+
+
 def parse_config(cls, argv, doc="", presets=None):
     """A `cls` dataclass from --name value / --name=value flags ('-' and '_' alike; a bare bool
     flag means true). presets: {name: {field: value}}; `--preset NAME` sets those defaults under
     the explicit flags. `--` (torchrun's separator) is skipped; --help lists every default, with
-    the comment beside the field in the dataclass."""
+    the comment beside the field in the dataclass. A flag it does not know stops it with one line
+    naming the closest one (--step: did you mean --steps?)."""
     argv = [a for a in argv if a != "--"]
     values = {}
     if presets:  # a first pass reads --preset alone, so its values become the defaults --help shows
-        pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+        pre = Parser(add_help=False, allow_abbrev=False)
         pre.add_argument("--preset", choices=sorted(presets))
         values = presets.get(pre.parse_known_args(argv)[0].preset) or {}
-    p = argparse.ArgumentParser(description=doc, allow_abbrev=False,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(description=doc, allow_abbrev=False,
+               formatter_class=argparse.RawDescriptionHelpFormatter)
     if presets:
         p.add_argument("--preset", choices=sorted(presets), help="named preset of defaults")
-    comments = _field_comments(cls)
+    comments, known = _field_comments(cls), ["--preset"]
     for f in dataclasses.fields(cls):
         default = values.get(f.name, f.default)
         names = sorted({f"--{f.name}", f"--{f.name.replace('_', '-')}"})
-        if type(f.default) is bool:
-            kind = dict(type=_bool, nargs="?", const=True)
-        else:
-            kind = dict(type=type(f.default))
+        kind = (dict(type=_bool, nargs="?", const=True) if type(f.default) is bool
+                else dict(type=type(f.default)))
         help_text = f"{comments.get(f.name, '')} (default: {default!r})".lstrip()
         p.add_argument(*names, dest=f.name, default=default, help=help_text, **kind)
-    args = vars(p.parse_args(argv))
-    args.pop("preset", None)
-    return cls(**args)
+        known += names
+    args, unknown = p.parse_known_args(argv)
+    if unknown:
+        flag = next((a for a in unknown if a.startswith("-")), unknown[0])
+        close = difflib.get_close_matches(flag.split("=")[0], known, 1)
+        p.error(f"unrecognized argument {flag}" + (f": did you mean {close[0]}?" if close else ""))
+    return cls(**{k: v for k, v in vars(args).items() if k != "preset"})
+
+
+def named(argv):
+    """The fields an argv names ('-' and '_' alike)."""
+    return {a[2:].split("=")[0].replace("-", "_") for a in argv if a.startswith("--")}
 
 
 def refuse(name, value, allowed):
@@ -74,14 +90,10 @@ def refuse(name, value, allowed):
     raise SystemExit(f"--{name}={shown}: {allowed}")
 
 
-def _number(value):
-    return (isinstance(value, (int, float)) and not isinstance(value, bool)
-            and math.isfinite(value))
-
-
 def _allows(value, rule):
     """rule: '>= x', '> x', or an interval '[a, b)' (round brackets: open ends)."""
-    if not _number(value):
+    if not (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value)):
         return False
     if rule.startswith(">"):
         low = float(rule.lstrip(">="))
@@ -140,17 +152,38 @@ def looks_local(path):
 
 
 def model_dir(cfg, name="model", skip=("toy",)):
-    """The named field is a model directory that exists, or a hub id (downloaded later)."""
+    """The named field is a model directory (config.json and safetensors weights; a run's out_dir
+    is named with the checkpoint inside it), or a hub id (downloaded later)."""
     path = getattr(cfg, name)
-    if path not in skip and not os.path.isdir(path) and looks_local(path):
+    if path in skip or not (os.path.isdir(path) or looks_local(path)):
+        return
+    if not os.path.isdir(path):
         refuse(name, path, "no such directory (a hub id looks like owner/name)")
+    has = lambda d, *files: any(os.path.exists(os.path.join(path, d, f)) for f in files)
+    weights = ("model.safetensors", "model.safetensors.index.json")
+    if not (has("", "config.json") and has("", *weights)):
+        inside = sorted(d for d in os.listdir(path) if has(d, "config.json"))
+        best = "final" if "final" in inside else inside[-1] if inside else None
+        hint = f"; did you mean {os.path.join(path, best)}?" if best else ""
+        refuse(name, path, "holds no model (a Hugging Face directory has config.json and "
+               "model.safetensors)" + hint)
 
 
-def output_dir(cfg, name):
-    """The named field can be a directory: not empty, not an existing file."""
+def output_dir(cfg, name, optional=False):
+    """The named field can be a directory ('' allowed when optional): not a file, under no file,
+    on a disk this process may write."""
     path = getattr(cfg, name)
+    if optional and path == "":
+        return
     if not path or os.path.isfile(path):
         refuse(name, path, "allowed: a directory (one that does not exist yet is made)")
+    above = os.path.abspath(path)
+    while not os.path.exists(above):
+        above = os.path.dirname(above)
+    if not os.path.isdir(above):
+        refuse(name, path, f"{above} is a file; allowed: a directory")
+    if not os.access(above, os.W_OK):
+        refuse(name, path, f"{above} cannot be written (a read-only disk, or another user's)")
 
 
 def rollout(cfg):

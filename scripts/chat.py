@@ -1,5 +1,6 @@
 """Chat with a checkpoint that can call the code tool:
     python scripts/chat.py --model DIR [--device cuda] [--temperature 0.7] [--max_turns 8] ...
+    python scripts/chat.py --model runs/toy/rl/final     # the toy policy: ask "What is 123 * 456?"
 Every RolloutConfig field is a flag (--seed -1: random). /reset starts over, /quit (or ctrl-d) leaves.
 The conversation stays as token ids between turns (token in, token out)."""
 import contextlib
@@ -25,14 +26,17 @@ class ChatConfig(RolloutConfig):
 
 def main(argv):
     from transformers import AutoTokenizer
+    from machinery.distributed import resolve_model
     from model import Transformer
     args = parse_config(ChatConfig, argv, __doc__)
     flags.rule(args.model != "", "model", args.model, "required: a checkpoint directory")
+    flags.model_dir(args, skip=())
     flags.rollout(args)  # before the model loads: one line on a bad value
     flags.choices(args, device=("auto", "cuda", "cpu"))
     config = replace(args, seed=None if args.seed < 0 else args.seed)  # a RolloutConfig
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
-    model, tokenizer = Transformer.from_pretrained(args.model, device=device), AutoTokenizer.from_pretrained(args.model)
+    path = resolve_model(args.model)  # a hub id is downloaded
+    model, tokenizer = Transformer.from_pretrained(path, device=device), AutoTokenizer.from_pretrained(path)
     chat, ids = chat_format(tokenizer, config), None
     print(f"loaded {args.model} on {device}; /reset starts over, /quit (or ctrl-d) leaves")
     while (line := input("\nyou> ").strip()) not in ("/quit", "/exit"):

@@ -14,7 +14,9 @@ and the sampler's log-probs differ most outlined (values in the tooltip). Token 
 tokenizer (RUN_DIR/final, the newest RUN_DIR/step_*, the model in summary.json, or --tokenizer); without one the
 page shows token ids. `#open=ID,...` in the URL opens those elements (e.g. view.html#open=s3g0t1k).
 With more steps kept than --max_steps, or more than --max_mb of them, fewer steps spread evenly from the first to the
-last are shown (--steps names them instead); a paper-scale step (16 x 20k tokens) makes ~12 MB of page.
+last are shown (--steps names them instead); a paper-scale step (16 x 20k tokens) makes ~12 MB of page. A page
+of fewer steps (--steps, a smaller --max_steps or --max_mb) is named for them (view_steps_1_5.html): it never
+replaces view.html.
 """
 import argparse
 import glob
@@ -392,6 +394,9 @@ window.addEventListener('hashchange', openHash);"""
 
 def render(run_dir, tokenizer_path=None, steps_spec="", max_steps=20, max_mb=50, top=20):
     kind, rows, summary, files = load_run(run_dir)
+    if not (rows or summary or files):
+        raise SystemExit(f"{run_dir}: nothing to show (no metrics.jsonl, summary.json or "
+                         f"trajectories: an rl.py --out_dir or an evaluate.py --out is expected)")
     tokenizer, source = find_tokenizer(run_dir, tokenizer_path, summary) if files else (None, "not needed")
     sizes = {s: sum(map(data_size, paths)) for s, paths in files.items()}
     shown = choose_steps(sorted(files, key=lambda s: -1 if s is None else s), steps_spec, max_steps, sizes,
@@ -436,10 +441,17 @@ def main(argv=None):
     if not os.path.isdir(args.run_dir):
         raise SystemExit(f"{args.run_dir}: not a directory")
     page = render(args.run_dir, args.tokenizer, args.steps, args.max_steps, args.max_mb, args.top)
-    out = args.out or os.path.join(args.run_dir, "view.html")
-    with open(out, "w", encoding="utf-8", errors="backslashreplace") as f:   # lone surrogates
+    # a page of fewer steps than the defaults choose gets a name of its own: view.html, the
+    # default page, is never replaced by a narrower one
+    picked = [f"steps_{re.sub(r'[^0-9-]+', '_', args.steps)}" * bool(args.steps),
+              f"max_steps_{args.max_steps}" * (args.max_steps < 20),
+              f"max_mb_{args.max_mb:g}" * (args.max_mb < 50)]
+    name = "_".join(filter(None, picked))
+    out = args.out or os.path.join(args.run_dir, f"view_{name}.html" if name else "view.html")
+    with open(out, "w", encoding="utf-8", errors="backslashreplace") as f:  # lone surrogates
         f.write(page)
-    print(f"wrote {out} ({os.path.getsize(out) / 1e6:.2f} MB)")
+    kept = "; view.html stays the default page" if name and not args.out else ""
+    print(f"wrote {out} ({os.path.getsize(out) / 1e6:.2f} MB){kept}")
 
 
 if __name__ == "__main__":

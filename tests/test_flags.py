@@ -42,7 +42,7 @@ SFT_MORE = [(["--model=./nope"], "model"), (["--too_long=wrap"], "too_long"), ([
             (["--data=missing.jsonl"], "data"), (["--model=toy", "--data=missing.jsonl"], "data")]
 EVAL_BAD = dict(n="0", temperature="-1", top_p="0", top_k="-1", max_prompt_tokens="0", max_response_tokens="0",
                 max_turns="0", max_parallel_calls="0", tool_output_chars="-1", tool_timeout="0", tool_memory_mb="0",
-                code_test_timeout="0", limit="-1", problems_per_batch="0", seed="-1", sandbox_workers="-1")
+                code_test_timeout="0", limit="-1", problems_per_batch="-1", seed="-1", sandbox_workers="-1")
 EVAL_MORE = [(["--model=runs/nope"], "model"), (["--pass_k=1,64"], "pass_k"), (["--pass_k=one"], "pass_k"), (["--dtype=int4"], "dtype"),
              (["--attn_backend=xformers"], "attn_backend"), (["--enable_thinking=maybe"], "enable_thinking"),
              (["--sandbox_require=nothing"], "sandbox_require"), (["--n=1", "--filter_out=kept.jsonl"], "n"),

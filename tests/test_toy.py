@@ -82,11 +82,11 @@ def test_rl_toy_pipeline_from_the_shipped_start(in_tmp, capsys):
     assert before["tool_calls_per_response"] > 0 and before["tool_call_success"] >= 0.5, before
     assert "held-out accuracy" in capsys.readouterr().out
     # `python evaluate.py` alone evaluates the newest toy policy: now the RL checkpoint
-    args = evaluate.toy_arguments()
-    assert f"--model={os.path.join(out, 'final')}" in args and f"--data={toy.HELDOUT}" in args
+    assert evaluate.toy_policy() == os.path.join(out, "final")
 
 
 def test_evaluate_without_arguments_starts_from_the_shipped_policy(in_tmp):
     import evaluate
-    args = evaluate.toy_arguments()
-    assert f"--model={toy.SHIPPED_SFT}" in args and os.path.exists(toy.HELDOUT)
+    assert evaluate.toy_policy() == toy.SHIPPED_SFT
+    cfg = evaluate.parse_config(["--preset=toy"])
+    assert (cfg.model, cfg.data, cfg.n, cfg.top_p) == ("toy", toy.HELDOUT, 1, 0.6)

@@ -218,3 +218,20 @@ def test_evaluation_table_in_percent_as_the_terminal():
     table = view.summary_table({"overall": overall, "benchmarks": {"toy": overall}})
     assert "<th>avg@4 (%)</th>" in table and "<th>mean_score</th>" in table
     assert "<td>50.0</td><td>75.0</td><td>25.0</td><td>50.0</td><td>0.625</td><td>8</td>" in table
+
+
+def test_a_narrower_page_never_replaces_the_default_one(rl_run, tmp_path, capsys):
+    run, _ = rl_run
+    view.main([str(run)])
+    full = (run / "view.html").read_bytes()
+    view.main([str(run), "--steps", "3"])   # fewer steps: a page of its own, the line says so
+    assert (run / "view.html").read_bytes() == full
+    assert "wrote " + str(run / "view_steps_3.html") in capsys.readouterr().out
+    assert {r["step"] for r in embedded(Page((run / "view_steps_3.html").read_text()))} == {3}
+    view.main([str(run), "--max_steps", "1"])
+    assert (run / "view.html").read_bytes() == full and (run / "view_max_steps_1.html").exists()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(SystemExit, match=r"empty: nothing to show \(no metrics.jsonl, summary"):
+        view.main([str(empty)])
+    assert os.listdir(empty) == []
