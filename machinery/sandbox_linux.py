@@ -425,8 +425,8 @@ def _refusal(exc: OSError, cap: int | None = None) -> str:
     return ", ".join(why)
 
 
-def _in_child(trial, failed: dict) -> dict:
-    """Run `trial()` (it returns a dict) in a forked child; `failed` if the child dies."""
+def _in_child(trial) -> dict:
+    """Run `trial()` (it returns a dict) in a forked child; if the child dies, that is the why."""
     read, write = os.pipe()
     if (pid := os.fork()) == 0:
         try:
@@ -435,7 +435,8 @@ def _in_child(trial, failed: dict) -> dict:
             os._exit(0)
     os.close(write)
     with os.fdopen(read) as f:
-        found = json.loads(f.read() or json.dumps(failed))
+        found = json.loads(f.read() or '{"why": "the child trying it died", "nproc": false, '
+                                        '"expose": [], "hide_proc": false}')
     os.waitpid(pid, 0)
     return found
 
@@ -452,7 +453,7 @@ def _try_mount(userns: bool) -> dict:
         except OSError as exc:
             found["why"] = _refusal(exc, None if userns else _CAP_SYS_ADMIN)
         return found
-    found = _in_child(trial, {"why": "the child trying it died", "nproc": False})
+    found = _in_child(trial)
     os.rmdir(directory)
     return found
 
@@ -498,8 +499,7 @@ def _try_uid(uid: int) -> dict:
                         open("/proc/self/setgroups").read().strip() == "deny":
                     found["why"] += " (setgroups is denied in this user namespace)"
         return found
-    return _in_child(trial, {"why": "the child trying it died", "expose": [], "nproc": False,
-                             "hide_proc": False})
+    return _in_child(trial)
 
 
 def detect(uid: int) -> dict:

@@ -22,7 +22,6 @@ import itertools
 import json
 import math
 import os
-import platform
 import queue
 import select
 import signal
@@ -272,11 +271,8 @@ class Sandbox:
         self.plan, on, self.off = _layers(grants())
         self.num_workers = max(1, int(workers or default_workers()))
         self.preimport = list(preimport)
-        first = next(_slots) if self.plan["uid"] else None
-        for _ in range(self.num_workers - 1 if self.plan["uid"] else 0):
-            next(_slots)
-        self.uids = [first is not None and sandbox_linux.run_uid(first + i) or None
-                     for i in range(self.num_workers)]
+        self.uids = [sandbox_linux.run_uid(next(_slots)) if self.plan["uid"] else None
+                     for _ in range(self.num_workers)]
         absent = "; ".join(f"{LAYERS[k]} [{why}]" for k, why in self.off.items())
         self.description = (f"sandbox: {self.num_workers} workers; in force: {', '.join(on)}; "
                             f"not in force: {absent or 'nothing'}")
@@ -302,9 +298,7 @@ class Sandbox:
         # The pool's process: no run (nor any process of its uid) opens its /proc/<pid>/mem,
         # environ or fd, and its /proc files are root's.
         prctl(PR_SET_DUMPABLE, 0)
-        self.root = tempfile.mkdtemp(prefix="sandbox-")
-        if self.plan["uid"]:
-            os.chmod(self.root, 0o711)             # the runs' uids pass, to their own directory
+        self.root = tempfile.mkdtemp(prefix="sandbox-")      # its mode: _spawn
         self._queue = queue.SimpleQueue()          # (job, future)
         self._lock = threading.Lock()
         self._ready = threading.Event()            # set: a probe passed, or the pool failed
@@ -400,8 +394,7 @@ class Sandbox:
         name = f"worker{index}-{next(self._generation)}"
         directory, cgroup = os.path.join(self.root, name), None
         os.makedirs(self.root, 0o700, exist_ok=True)   # the last zygote to go takes it (owner died)
-        if self.plan["uid"]:
-            os.chmod(self.root, 0o711)
+        os.chmod(self.root, 0o711 if self.plan["uid"] else 0o700)   # runs' uids pass, to their own
         os.mkdir(directory, 0o700)
         if self.plan["cgroup"]:
             cgroup = f"{self.plan['cgroup']}/{os.path.basename(self.root)}-{name}"
@@ -580,26 +573,17 @@ class Sandbox:
         """What confines a run here, as measured from inside by the first worker's probe run."""
         line = self.wait_ready(timeout)
         (hello, checks), plan = self._probe, self.plan
-        abi, mount = plan["landlock"], plan["mount"]
-        if mount:
-            disk_quota = f"tmpfs {checks['workdir_bytes'] / 2 ** 20:g} MiB"
-        else:
-            disk_quota = (f"polled by the worker: {MAX_FILES} files and the run's disk_mb, open "
-                          f"unlinked files too; RLIMIT_FSIZE; O_TMPFILE and fallocate refused")
-        return {"kernel": platform.release(), "arch": ARCH, "python": platform.python_version(),
-                "workers": self.num_workers,
+        disk = (f"tmpfs {checks['workdir_bytes'] / 2 ** 20:g} MiB" if plan["mount"] else
+                f"counted by the worker: {MAX_FILES} files and the run's disk_mb, at each look "
+                f"and when it ends; RLIMIT_FSIZE; O_TMPFILE, fallocate, links, renames refused")
+        return {"workers": self.num_workers, "layers": line,
                 "preimported": [m for m in hello["preimported"] if "." not in m],
-                "worker_threads": hello["threads"], "process_group": True, "subreaper": True,
-                "layers": line,
+                "worker_threads": hello["threads"], "uids": self.uids, "disk_quota": disk,
                 "tasks": {"mechanism": plan["tasks"], "max": MAX_TASKS,
                           "measured": checks["tasks"]},
-                "namespace": mount and "mount" + " (in a user namespace)" * (mount == "user"),
-                "disk_quota": disk_quota, "rlimits": checks["rlimits"], "landlock_abi": abi,
-                "landlock": {"filesystem": abi >= 1, "tcp": abi >= 4,
-                             "signals_and_abstract_sockets": abi >= 6},
-                "privileges": f"no capabilities, uid {checks['uid']}"
-                              + " (of its own)" * self.plan["uid"], "uids": self.uids,
-                "seccomp": f"bpf filter ({ARCH})",
+                "namespace": plan["mount"] and "mount" + " (in a user namespace)" * (
+                    plan["mount"] == "user"), "rlimits": checks["rlimits"],
+                "landlock_abi": plan["landlock"], "seccomp": f"bpf filter ({ARCH})",
                 "verified": {k: v for k, v in checks.items() if isinstance(v, bool)}}
 
     def worker_pids(self) -> list:

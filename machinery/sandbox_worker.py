@@ -5,15 +5,14 @@ The pool (sandbox_pool.Sandbox) starts each worker as `python -I -S sandbox_work
 CONFIG`: isolated and without `site`, so no .pth file of any site-packages directory runs; the
 installation's site-packages directories come in CONFIG. The pieces, in the order a run meets them:
 - _zygote_main: the worker. In a mount namespace of its own where it may, it opens the Python
-  installation to the runs' uid if a closed directory hides it and shows them a /proc of their
-  own processes only; it pre-imports, then forks one child per
-  "fork" request, which carries four pipe ends and the run's disk limit (no job data), polls what
-  the kernel does not bound for it (_overdrawn), and reports the child's exit status.
-- _child: confines the forked child in the fixed order, then _run_user_code runs the code like
-  `python -c` and, if it failed, says so on fd 3 before anything of the run's own runs again.
+  installation to the runs' uid if a closed directory hides it and shows them a /proc of their own
+  processes only; it pre-imports, then forks one child per "fork" request (three pipe ends and a
+  socket, the run's disk and CPU limits; no job data), watches what the kernel does not bound for
+  it (_overdrawn, charged to the run), and reports the child's exit status.
+- _child: confines the forked child in the fixed order; _run_user_code runs the code like `python
+  -c`, its statements inside a guard (_guarded) that reports a failure on fd 3 first.
 - _walk: counts or removes a directory tree without recursion, one descriptor at a time.
-This file imports sandbox_linux and the standard library only; sandbox_pool imports it, never the
-other way round.
+This file imports sandbox_linux and the standard library only; sandbox_pool imports it.
 """
 from __future__ import annotations
 
@@ -263,9 +262,8 @@ def _run_user_code(source: str) -> None:
 # ---------------------------------------------------------------- the worker (zygote)
 
 def _zygote_main(config: dict) -> None:
-    """Fork one child per "fork" request (it carries four pipe ends and the run's disk limit, no
-    job data), watch it where the kernel does not bound it, report its pid and exit status,
-    SIGKILL its group on "kill"; exit when the pool hangs up."""
+    """Fork one child per "fork" request, watch it where the kernel does not bound it, report its
+    pid and exit status, SIGKILL its group on "kill"; exit when the pool hangs up."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C belongs to the owner
     prctl(PR_SET_CHILD_SUBREAPER, 1)   # strays of a run land here and are killed
     prctl(PR_SET_DUMPABLE, 0)          # no run opens our /proc/<pid>/mem, even as our uid
@@ -400,7 +398,6 @@ def _fresh(directory: str, uid: int | None) -> None:
     every name looked up in it), owned by the runs' uid."""
     with contextlib.suppress(OSError):
         os.rmdir(directory)
-    with contextlib.suppress(FileExistsError):
         os.mkdir(directory, 0o700)
     if uid is not None:
         os.chown(directory, uid, uid)
