@@ -95,8 +95,8 @@ class _Capture:
 def _verdict(job: dict, exit_info: dict, failure: bytes, base_rss: int, timed_out: bool) -> tuple:
     """(status, returncode) of a finished run, from what the kernel and the pool saw: exit status,
     CPU time, peak memory, the deadline. "ok" is exit status 0 with nothing on fd 3, where the
-    run's guard reports a failure of its code; what the run wrote there can only make it a
-    failure (last byte M: of memory), and nothing it prints counts."""
+    run's guard reports a failure of its code (`failure`: the last byte the zygote read there);
+    what the run wrote there can only make it a failure (M: of memory); nothing it prints counts."""
     code = os.waitstatus_to_exitcode(exit_info["status"])     # -signal when a signal ended it
     # The CPU rlimit's SIGXCPU, then SIGKILL, come only once the CPU time is spent.
     if timed_out or exit_info["cpu"] >= math.ceil(job["timeout"]) + 0.95:
@@ -427,25 +427,22 @@ class Sandbox:
 
     def _run_on(self, worker, job: dict) -> Result | None:
         """One run on `worker`; None if the worker died before forking it (safe to re-send)."""
-        # fd 3, the failure report, is a socket: no open() of /proc/<pid>/fd/3 reaches it.
-        pipes = [os.pipe() for _ in range(3)] + [[end.detach() for end in socket.socketpair()]]
-        (stdin_r, feed), (out_r, out_w), (err_r, err_w), (end_r, end_w) = pipes
+        (stdin_r, feed), (out_r, out_w), (err_r, err_w) = [os.pipe() for _ in range(3)]
         fork = json.dumps({"op": "fork", "disk": int(job["disk_mb"] * 2 ** 20),
                            "cpu": math.ceil(job["timeout"]) + 1}).encode()     # its RLIMIT_CPU
         with contextlib.suppress(OSError):     # if the worker is gone, its end of file comes next
-            socket.send_fds(worker.sock, [fork], [stdin_r, out_w, err_w, end_w])
-        for fd in (stdin_r, out_w, err_w, end_w):
+            socket.send_fds(worker.sock, [fork], [stdin_r, out_w, err_w])
+        for fd in (stdin_r, out_w, err_w):
             os.close(fd)
         spec = json.dumps({k: job[k] for k in ("code", "timeout", "memory_mb", "disk_mb")})
         todo = memoryview(b"%012d" % len(spec) + spec.encode()
                           + job["stdin"].encode("utf-8", "replace"))
         out, err = _Capture(job["output_limit"]), _Capture(job["output_limit"])
-        end = _Capture(64)
-        reads = {out_r: out, err_r: err, end_r: end}
+        reads = {out_r: out, err_r: err}
         poller = select.poll()
         os.set_blocking(feed, False)
         poller.register(feed, select.POLLOUT)
-        for fd in (out_r, err_r, end_r, worker.sock.fileno()):
+        for fd in (out_r, err_r, worker.sock.fileno()):
             poller.register(fd, select.POLLIN)
         start = pid = ended = stopped = None
         deadline, base_rss = time.monotonic() + GRACE, 0
@@ -482,8 +479,8 @@ class Sandbox:
                         for fd in reads:       # the child is reaped: read its pipes to the end
                             while data := os.read(fd, 1 << 16):
                                 reads[fd].add(data)
-                        failure = bytes(end.tail or end.head)[-1:]    # M: of memory
-                        status, code = _verdict(job, message, failure, base_rss, bool(stopped))
+                        status, code = _verdict(job, message, message["failure"].encode("latin-1"),
+                                                base_rss, bool(stopped))
                         over = message.get("over")
                         note = f"sandbox: the run went over its quota: {over}\n" if over else ""
                         return Result("killed" if over else status, out.text(), err.text() + note,
@@ -505,7 +502,7 @@ class Sandbox:
                     with contextlib.suppress(OSError):
                         worker.sock.send(json.dumps({"op": "kill", "pid": pid}).encode())
         finally:
-            for fd in [feed, out_r, err_r, end_r]:
+            for fd in [feed, out_r, err_r]:
                 if fd is not None:
                     os.close(fd)
 

@@ -6,9 +6,9 @@ CONFIG`: isolated and without `site`, so no .pth file of any site-packages direc
 installation's site-packages directories come in CONFIG. The pieces, in the order a run meets them:
 - _zygote_main: the worker. In a mount namespace of its own where it may, it opens the Python
   installation to the runs' uid if a closed directory hides it and shows them a /proc of their own
-  processes only; it pre-imports, then forks one child per "fork" request (three pipe ends and a
-  socket, the run's disk and CPU limits; no job data), watches what the kernel does not bound for
-  it (_overdrawn, charged to the run), and reports the child's exit status.
+  processes only; it pre-imports, then forks one child per "fork" request (three pipe ends, the
+  run's disk and CPU limits; no job data) with a socket of its own as fd 3, watches what the kernel
+  does not bound for it (_overdrawn, charged to the run), and reports its exit status and fd 3.
 - _child: confines the forked child in the fixed order; _run_user_code runs the code like `python
   -c`, its statements inside a guard (_guarded) that reports a failure on fd 3 first.
 - _walk: counts or removes a directory tree without recursion, one descriptor at a time.
@@ -150,8 +150,10 @@ def _child(zygote: dict, fds: list, address_space: int) -> None:
 # The guard around a run's statements. Its handlers step a reporter (`[] = it` steps an iterator
 # once): no call the profiler sees, no line the tracer sees (no line numbers), no check for signals
 # or other threads before the report is on fd 3.
-_GUARD = ast.parse("try:\n    pass\nexcept 'guard: SystemExit':\n    [] = 'guard: exit'\n    raise\n"
-                   "except:\n    [] = 'guard: crash'\n    raise\n").body[0]
+# Its constants, replaced after compiling, carry a token no program knows when it is compiled.
+_MARKS = [f"guard {os.urandom(8).hex()}: {name}" for name in ("SystemExit", "exit", "crash")]
+_GUARD = ast.parse("try:\n    pass\nexcept '{}':\n    [] = '{}'\n    raise\nexcept:\n    [] = '{}'\n"
+                   "    raise\n".format(*_MARKS)).body[0]
 for _node in ast.walk(_GUARD):
     if "lineno" in _node._attributes:
         _node.lineno = _node.end_lineno = _node.col_offset = _node.end_col_offset = -1
@@ -166,8 +168,7 @@ def _reporters() -> dict:
     codes = map(SystemExit.code.__get__, starmap(sys.exception, repeat(())))
     fine = map(frozenset(map(id, (None, 0, False))).__contains__, map(id, codes))
     exit_report = map(operator.call, map((dump, None.__init__).__getitem__, fine)).__next__
-    return {"guard: SystemExit": SystemExit, "guard: crash": iter(dump, None),
-            "guard: exit": iter(exit_report, None)}
+    return dict(zip(_MARKS, (SystemExit, iter(exit_report, None), iter(dump, None))))
 
 
 def _guarded(source: str) -> types.CodeType:
@@ -320,9 +321,15 @@ def _zygote_main(config: dict) -> None:
                     over = _too_much(*_walk(directory, remove=True), disk) or over
                     _fresh(directory, uid)     # it looked up there (negative dentries)
                 watched += time.thread_time() - began
+                failure = b""
+                with contextlib.suppress(OSError):
+                    os.set_blocking(report, False)
+                    while chunk := os.read(report, 1 << 16):
+                        failure = chunk[-1:]
+                os.close(report)
                 sock.send(json.dumps({"op": "exit", "status": status, "maxrss": usage.ru_maxrss,
                                       "cpu": usage.ru_utime + usage.ru_stime + watched,
-                                      "over": over}).encode())
+                                      "over": over, "failure": failure.decode("latin-1")}).encode())
             elif watching and time.monotonic() >= looked + WATCH:
                 looked, began = time.monotonic(), time.thread_time()
                 over = _overdrawn(child, directory, disk, plan["watch"])
@@ -331,18 +338,22 @@ def _zygote_main(config: dict) -> None:
                 if over or cpu_time(child) + watched >= cpu_limit:
                     stopped = _kill_group(child) or True
             if sock in ready:
-                message, fds, _, _ = socket.recv_fds(sock, 4096, 4)
+                message, fds, _, _ = socket.recv_fds(sock, 4096, 3)
                 if not message:
                     return             # the pool hung up: closing, or its owner died
                 request = json.loads(message)
-                if request["op"] == "fork" and child is None and len(fds) == 4:
+                if request["op"] == "fork" and child is None and len(fds) == 3:
                     with open("/proc/self/statm") as f:
                         pages = f.read().split()[:2]
                     address_space, rss = (int(n) * os.sysconf("SC_PAGE_SIZE") for n in pages)
                     disk, cpu_limit, over, stopped = request["disk"], request["cpu"], None, False
+                    # fd 3, the failure report: a socket (no open() of /proc/<pid>/fd/3 reaches
+                    # it) of ours, read when the run ends (none in flight: cheap to close).
+                    report, theirs = (end.detach() for end in socket.socketpair())
                     looked, watched = time.monotonic(), 0.0
                     if (child := os.fork()) == 0:
-                        _child(zygote, fds, address_space)       # never returns
+                        _child(zygote, fds + [theirs], address_space)     # never returns
+                    os.close(theirs)
                     sock.send(json.dumps({"op": "forked", "pid": child, "rss": rss}).encode())
                 elif request["op"] == "kill" and request["pid"] == child:
                     _kill_group(child)
