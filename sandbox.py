@@ -18,11 +18,12 @@ host read-only, a tmpfs of disk_mb as working directory]; rlimits; no_new_privs,
 no capabilities [and a uid of its own per worker, never 0], a parent-death signal; seccomp BPF
 (no fork, exec, sockets, ptrace, mounts, inotify, locks, ...). The floor runs anywhere; the
 [layers] where the machine grants them, decided once at start-up and said in one line. By
-default a pool starts only where a run is another user or Landlock holds the host's files
-(else it refuses, saying why; require="floor" starts anyway, "all" wants every layer). The pool
-SIGKILLs a run's process group at its deadline (the timeout, plus what the run waited for a CPU,
-up to a backstop), caps stdout and stderr, and gives "ok" for exit status 0 with no failure
-reported on the run's fd 3, never for what the run printed.
+default a pool starts only where Landlock keeps a run to its own directory and the Python
+installation (else it refuses, saying why; require="floor" starts anyway, "all" wants every
+layer). The pool SIGKILLs a run's process group at its deadline (the timeout, plus what its main
+thread waited for a CPU while it used less CPU than that, up to a backstop), caps stdout and
+stderr, and gives "ok" for exit status 0 with no failure reported on the run's fd 3 (by a guard
+around the code, before anything of the run's own can run again), never for what it printed.
 
 This file is the front. The machinery is in machinery/: sandbox_pool.py (the pool `Sandbox` and its
 verdicts), sandbox_worker.py (the zygote and the child, which the workers run) and sandbox_linux.py

@@ -194,13 +194,12 @@ def rollout(cfg):
                  ">= 1": "max_prompt_tokens max_response_tokens max_turns max_parallel_calls "
                          "tool_memory_mb"})
     choices(cfg, enable_thinking=("default", "true", "false"))
-    if hasattr(cfg, "sandbox_require"):
-        from machinery.sandbox_pool import LAYERS
-        names = set(cfg.sandbox_require.split(",")) - {""}
-        presets = ("default", "floor", "all")
-        if cfg.sandbox_require not in presets and (not names or names - set(LAYERS)):
-            refuse("sandbox_require", cfg.sandbox_require, "allowed: 'default' | 'floor' | 'all' | "
-                   f"names of {sorted(LAYERS)}, comma-separated")
+    if hasattr(cfg, "sandbox_require"):        # the pool's own rule: one meaning per value
+        from machinery.sandbox_pool import required
+        try:
+            required(cfg.sandbox_require)
+        except ValueError as exc:
+            refuse("sandbox_require", cfg.sandbox_require, str(exc).split("; not ")[0])
 
 
 # ---------------------------------------------------------------- the model's files

@@ -31,7 +31,7 @@ ARCH = platform.machine()
 # Runs get EPERM for every one, but those seccomp_filter gives a rule of their own.
 _TABLE = """fork 57 - vfork 58 - clone 56 220 clone3 435 435 execve 59 221 execveat 322 281
 kill 62 129 tkill 200 130 tgkill 234 131 rt_sigqueueinfo 129 138 rt_tgsigqueueinfo 297 240
-socket 41 198 socketpair 53 199 connect 42 203 bind 49 200 listen 50 201 ptrace 101 117
+socket 41 198 socketpair 53 199 shutdown 48 210 connect 42 203 bind 49 200 listen 50 201 ptrace 101 117
 process_vm_readv 310 270 process_vm_writev 311 271 mount 165 40 umount2 166 39 unshare 272 97
 setns 308 268 bpf 321 280 pivot_root 155 41 chroot 161 51 kexec_load 246 104
 kexec_file_load 320 294 init_module 175 105 finit_module 313 273 delete_module 176 106
@@ -56,16 +56,20 @@ close 3 57 dup2 33 - dup3 292 24 close_range 436 436 open 2 - openat 257 56 open
 fallocate 285 47 chmod 90 - fchmod 91 52 fchmodat 268 53 fchmodat2 452 452 chown 92 - fchown 93 55
 lchown 94 - fchownat 260 54 utime 132 - utimes 235 - futimesat 261 - utimensat 280 88
 setxattr 188 5 lsetxattr 189 6 fsetxattr 190 7 removexattr 197 14 lremovexattr 198 15
-fremovexattr 199 16 setxattrat 463 463 removexattrat 466 466 truncate 76 45""".split()
+fremovexattr 199 16 setxattrat 463 463 removexattrat 466 466 truncate 76 45 unlink 87 -
+unlinkat 263 35 rmdir 84 - link 86 - linkat 265 37 rename 82 - renameat 264 38
+renameat2 316 276""".split()
 _SYSCALLS = {arch: {name: int(nr) for name, nr in zip(_TABLE[::3], _TABLE[column::3])
                     if nr != "-"} for column, arch in ((1, "x86_64"), (2, "aarch64"))}
 # What the read-only mounts and the tmpfs quota stop (a run's uid may own host files: root owns
 # /usr), refused by seccomp where there is no mount namespace, in the working directory too: file
-# metadata, and disk that no file size counts (O_TMPFILE files, fallocate past the end).
+# metadata, and disk the worker's count of the directory would not see (O_TMPFILE files, fallocate
+# past the end, files unlinked but kept open or mapped, hard links and renames out of it).
 METADATA = set("""chmod fchmod fchmodat fchmodat2 chown fchown lchown fchownat utime utimes
 futimesat utimensat setxattr lsetxattr fsetxattr removexattr lremovexattr fremovexattr
 setxattrat removexattrat truncate""".split())
-_DISK = {"open", "openat", "openat2", "fallocate"}
+_DISK = set("open openat openat2 fallocate unlink unlinkat rmdir link linkat rename renameat "
+            "renameat2".split())
 _O_TMPFILE = 0o20000000            # __O_TMPFILE on x86_64 and aarch64
 _AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
 _NR_LANDLOCK_CREATE, _NR_LANDLOCK_ADD_RULE, _NR_LANDLOCK_RESTRICT = 444, 445, 446
@@ -141,14 +145,18 @@ def seccomp_filter(no_mount: bool) -> list:
                            outcomes=(allow, deny)),
              "fcntl": only(1, *_FCNTL_REFUSED, outcomes=(allow, deny)),
              "ioctl": only(1, *_IOCTL_REFUSED, outcomes=(allow, deny)),
-             # The epilogue's descriptor stays the pool's pipe for the whole run.
+             # The failure report's descriptor stays the pool's socket for the whole run.
              "close": only(0, EPILOGUE_FD, outcomes=(allow, deny)),
+             "shutdown": only(0, EPILOGUE_FD, outcomes=(allow, deny)),
              "dup2": only(1, EPILOGUE_FD, outcomes=(allow, deny)),
              "dup3": only(1, EPILOGUE_FD, outcomes=(allow, deny)),
              "close_range": [arg(0), (_JGE, 3, 0, EPILOGUE_FD + 1), arg(1),
                              (_JGE, 0, 1, EPILOGUE_FD), deny, allow],
              "open": no_tmpfile(1), "openat": no_tmpfile(2), "fallocate": [unsupported],
-             "openat2": [(_RET, 0, 0, _ERRNO | errno.ENOSYS)]}      # its flags are in a struct
+             "openat2": [(_RET, 0, 0, _ERRNO | errno.ENOSYS)],      # its flags are in a struct
+             # Removing does nothing, and says it did: what a run wrote stays in its directory,
+             # counted, until the worker removes it after the run (tempfile's cleanup works).
+             **dict.fromkeys(("unlink", "unlinkat", "rmdir"), [(_RET, 0, 0, _ERRNO | 0)])}
     rules.update({name: only(0, _OWN) for name in ("tgkill", "rt_sigqueueinfo",
                                                    "rt_tgsigqueueinfo")})
     rules.update({name: only(0, 0, _OWN) for name in ("prlimit64", "sched_setaffinity",
@@ -337,12 +345,14 @@ def set_oom_score(value: int = 1000) -> None:
 
 
 def run_uid(slot: int, pid: int | None = None) -> int:
-    """The uid of the runs of worker `slot` of the pool owned by process `pid` (this one): one of
-    2**22 blocks of 256 above 2**30, the owner's pid offset by its pid namespace, so that pools
-    of one machine do not share uids."""
+    """The uid of the runs of worker `slot` of the pools owned by process `pid` (this one): one of
+    2**22 blocks of 256 above 2**30, from the owner's pid and pid namespace and slot // 256 (a
+    process's 257th slot starts a block of its own, never one it had), so that no two live pools
+    of one machine share a uid but by a collision of blocks."""
+    pid = pid or os.getpid()
     with contextlib.suppress(OSError):
-        pid = (pid or os.getpid()) + os.stat("/proc/self/ns/pid").st_ino * 2654435761
-    return (1 << 30) + (pid or os.getpid()) % (1 << 22) * 256 + slot % 256
+        pid += os.stat("/proc/self/ns/pid").st_ino * 2654435761
+    return (1 << 30) + (pid + slot // 256 * 40503) % (1 << 22) * 256 + slot % 256
 
 
 def readable_paths() -> list:
@@ -396,7 +406,8 @@ def available_cores() -> int:
 def missing_layer() -> str | None:
     """What this machine lacks of the floor: without it no run is confined at all."""
     return (not sys.platform.startswith("linux") and "Linux") or \
-        (ARCH not in _SYSCALLS and f"a seccomp filter for {ARCH}") or None
+        (ARCH not in _SYSCALLS and f"a seccomp filter for {ARCH}") or \
+        (sys.version_info < (3, 11) and "Python 3.11 or later (a run's guard)") or None
 
 
 def _refusal(exc: OSError, cap: int | None = None) -> str:
@@ -414,8 +425,8 @@ def _refusal(exc: OSError, cap: int | None = None) -> str:
     return ", ".join(why)
 
 
-def _in_child(trial, failed: dict) -> dict:
-    """Run `trial()` (it returns a dict) in a forked child; `failed` if the child dies."""
+def _in_child(trial) -> dict:
+    """Run `trial()` (it returns a dict) in a forked child; if the child dies, that is the why."""
     read, write = os.pipe()
     if (pid := os.fork()) == 0:
         try:
@@ -424,7 +435,8 @@ def _in_child(trial, failed: dict) -> dict:
             os._exit(0)
     os.close(write)
     with os.fdopen(read) as f:
-        found = json.loads(f.read() or json.dumps(failed))
+        found = json.loads(f.read() or '{"why": "the child trying it died", "nproc": false, '
+                                        '"expose": [], "hide_proc": false}')
     os.waitpid(pid, 0)
     return found
 
@@ -441,7 +453,7 @@ def _try_mount(userns: bool) -> dict:
         except OSError as exc:
             found["why"] = _refusal(exc, None if userns else _CAP_SYS_ADMIN)
         return found
-    found = _in_child(trial, {"why": "the child trying it died", "nproc": False})
+    found = _in_child(trial)
     os.rmdir(directory)
     return found
 
@@ -487,8 +499,7 @@ def _try_uid(uid: int) -> dict:
                         open("/proc/self/setgroups").read().strip() == "deny":
                     found["why"] += " (setgroups is denied in this user namespace)"
         return found
-    return _in_child(trial, {"why": "the child trying it died", "expose": [], "nproc": False,
-                             "hide_proc": False})
+    return _in_child(trial)
 
 
 def detect(uid: int) -> dict:

@@ -5,7 +5,7 @@ with sandbox_worker.py (the zygote and the child, which the workers run) and san
 kernel calls a run locks itself down with), is how it is done (docs/SANDBOX.md has the reasoning):
 - Sandbox: the pool, one thread per worker in the calling process, which it makes not dumpable.
   It writes each run's job and stdin, reads and caps its output (_Capture), keeps its deadline
-  (the wall clock less the time the run waited for a CPU, up to BACKSTOP times the timeout), and
+  (the timeout, moved by what its main thread waited for a CPU, up to BACKSTOP times), and
   gives the verdict (_verdict) from kernel facts, never from what the run wrote.
 - grants() and _layers(): what this machine grants of the optional LAYERS (sandbox_linux.detect(),
   once per process) and the plan the workers follow, among it the uid each worker's runs get;
@@ -22,7 +22,6 @@ import itertools
 import json
 import math
 import os
-import platform
 import queue
 import select
 import signal
@@ -42,14 +41,14 @@ from machinery.sandbox_linux import (ARCH, MAX_FILES, PR_SET_DUMPABLE, available
 # The worker's limits are part of this module's API (tests and scripts read them here).
 from machinery.sandbox_worker import (MAX_OPEN_FILES, MAX_SIGNALS, MAX_TASKS,  # noqa: F401
                                       PREIMPORT, THREAD_VARS, THIS_FILE as WORKER_FILE,
-                                      remove_tree)
+                                      cpu_time, remove_tree)
 
 DEFAULT_OUTPUT_LIMIT = 64 * 1024   # bytes kept of stdout and of stderr, each
 DEFAULT_DISK_MB = 64               # tmpfs size: the run's total bytes on disk
 MAX_SEND_ATTEMPTS = 3              # sends of one job to workers that die before forking it
 GRACE = 30.0                       # seconds a worker may be late before it is presumed hung
 # A run that waited for a CPU (other runs, the host) has its deadline moved by that wait, up to
-# BACKSTOP times its timeout (plus a second) of wall clock; its CPU time stays bound by RLIMIT_CPU.
+# BACKSTOP times its timeout of wall clock; its CPU time stays bound by RLIMIT_CPU.
 BACKSTOP = 3.0
 
 
@@ -96,8 +95,8 @@ class _Capture:
 def _verdict(job: dict, exit_info: dict, failure: bytes, base_rss: int, timed_out: bool) -> tuple:
     """(status, returncode) of a finished run, from what the kernel and the pool saw: exit status,
     CPU time, peak memory, the deadline. "ok" is exit status 0 with nothing on fd 3, where the
-    run's bootstrap reports a failure of its code; what the run wrote there can only make it a
-    failure (M: of memory), and nothing it prints counts."""
+    run's guard reports a failure of its code (`failure`: the last byte the zygote read there);
+    what the run wrote there can only make it a failure (M: of memory); nothing it prints counts."""
     code = os.waitstatus_to_exitcode(exit_info["status"])     # -signal when a signal ended it
     # The CPU rlimit's SIGXCPU, then SIGKILL, come only once the CPU time is spent.
     if timed_out or exit_info["cpu"] >= math.ceil(job["timeout"]) + 0.95:
@@ -169,6 +168,19 @@ LAYERS = {"uid": "a uid of its own", "landlock": "Landlock", "mount": "mount nam
           "tasks": "task count bound by the kernel"}
 
 
+def required(require: str) -> set:
+    """The LAYERS that `require` asks for, each of which a worker's probe then checks from inside:
+    "default" (Landlock, with its own refusal line), "floor" (none), "all", or names of LAYERS,
+    comma-separated ("landlock,mount"); ValueError for anything else."""
+    names = require.split(",")
+    if require in ("default", "floor", "all"):
+        return {"default": {"landlock"}, "floor": set(), "all": set(LAYERS)}[require]
+    if set(names) <= set(LAYERS) and len(set(names)) == len(names):
+        return set(names)
+    raise ValueError(f"allowed: 'default' | 'floor' | 'all' | names of {sorted(LAYERS)}, "
+                     f"comma-separated, each once; not {require!r}")
+
+
 def _layers(found: dict) -> tuple:
     """(plan the workers follow, what is in force, {layer: why not} of LAYERS) from grants()."""
     root, user, cgroup = found["mount_root"], found["mount_user"], found["cgroup"]
@@ -177,6 +189,8 @@ def _layers(found: dict) -> tuple:
     # own (where the run keeps the pool's uid).
     nproc_uid = not cgroup and not uid["why"] and uid["nproc"]
     nproc_userns = not cgroup and not nproc_uid and uid["why"] and not user["why"] and user["nproc"]
+    # Else, keeping a uid other than 0: that uid's task count at each run, plus the run's share.
+    nproc_owner = not (cgroup or nproc_userns or not uid["why"] or os.geteuid() == 0)
     if uid["why"] and (nproc_userns or (root["why"] and not user["why"])):
         mount = "user"
     else:
@@ -185,13 +199,15 @@ def _layers(found: dict) -> tuple:
         tasks = f"pids cgroup {cgroup[1]}"
     else:
         tasks = (nproc_uid and "RLIMIT_NPROC of the run's uid"
-                 or nproc_userns and "RLIMIT_NPROC in a user namespace" or None)
+                 or nproc_userns and "RLIMIT_NPROC in a user namespace"
+                 or nproc_owner and f"RLIMIT_NPROC of uid {os.geteuid()} (its tasks + {MAX_TASKS})"
+                 or None)
     plan = {"landlock": found["landlock"], "mount": mount, "cgroup": cgroup and cgroup[0],
-            "nproc": bool(nproc_uid or nproc_userns), "tasks": tasks or "polled by the worker",
+            "nproc": "owner" if nproc_owner else bool(nproc_uid or nproc_userns),
+            "tasks": tasks or "polled by the worker",
             "watch": ["disk"] * (not mount) + ["tasks"] * (not tasks),
             "uid": not uid["why"], "expose": [] if uid["why"] else uid["expose"],
-            "hide_proc": not uid["why"] and uid.get("hide_proc", False),
-            "shared": not uid["why"] and not found["landlock"] and not mount}
+            "hide_proc": not uid["why"] and uid.get("hide_proc", False)}
     on, off, abi = ["seccomp", "rlimits", "no capabilities"], {}, found["landlock"]
     if uid["why"]:
         off["uid"] = uid["why"]
@@ -222,15 +238,11 @@ def _layers(found: dict) -> tuple:
 
 
 def _waited(pid: int) -> float:
-    """Seconds the run's task that waited longest spent runnable but not running (a CPU busy with
-    other runs or the host), from /proc/<pid>/task/*/schedstat; 0 when unknown."""
-    most = 0
-    with contextlib.suppress(OSError):
-        for task in os.listdir(f"/proc/{pid}/task")[:MAX_TASKS]:
-            with contextlib.suppress(OSError, ValueError, IndexError):
-                with open(f"/proc/{pid}/task/{task}/schedstat") as f:
-                    most = max(most, int(f.read().split()[1]))
-    return most / 1e9
+    """Seconds the run's main thread spent runnable but not running (/proc/<pid>/schedstat)."""
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        with open(f"/proc/{pid}/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    return 0.0
 
 
 _slots = itertools.count()      # worker slots of this process's pools: their runs' uids
@@ -249,47 +261,44 @@ class Sandbox:
     """A warm pool of sandbox workers, one run per worker at a time, one pool thread per
     worker feeding and watching it. Thread-safe; use one per process (the module-level
     functions share a default one). Futures resolve on pool threads: callbacks must not block.
-    require: "default" (a boundary between a run and this process's files: a uid of the run's
-    own, or Landlock; else refuse to start, saying why), "floor" (start with what the machine
-    grants), "all", or names of LAYERS ("landlock,mount")."""
+    require: see required(); by default a run sees only its own directory and the Python
+    installation (Landlock), else the pool refuses to start, saying why."""
 
     def __init__(self, workers: int | None = None, preimport=PREIMPORT, require: str = "default"):
         if missing := missing_layer():
             raise RuntimeError(f"sandbox: refusing to start without {missing}")
-        names = set(require.split(",")) - {"floor", "default", ""}
-        wanted = set(LAYERS) if require == "all" else names
-        if wanted - set(LAYERS) or require != "all" and "all" in names:
-            raise ValueError(f"sandbox: require is 'default', 'floor', 'all' or names of "
-                             f"{sorted(LAYERS)}, not {require!r}")
+        wanted = required(require)
         self.plan, on, self.off = _layers(grants())
         self.num_workers = max(1, int(workers or default_workers()))
         self.preimport = list(preimport)
-        first = next(_slots) if self.plan["uid"] else None
-        for _ in range(self.num_workers - 1 if self.plan["uid"] else 0):
-            next(_slots)
-        self.uids = [first is not None and sandbox_linux.run_uid(first + i) or None
-                     for i in range(self.num_workers)]
+        self.uids = [sandbox_linux.run_uid(next(_slots)) if self.plan["uid"] else None
+                     for _ in range(self.num_workers)]
         absent = "; ".join(f"{LAYERS[k]} [{why}]" for k, why in self.off.items())
         self.description = (f"sandbox: {self.num_workers} workers; in force: {', '.join(on)}; "
                             f"not in force: {absent or 'nothing'}")
-        if refused := sorted(wanted & set(self.off)):
+        if require != "default" and (refused := sorted(wanted & set(self.off))):
             raise RuntimeError(f"sandbox: refusing to start (require={require!r}) without "
                                + "; ".join(f"{LAYERS[k]} [{self.off[k]}]" for k in refused))
-        if require == "default" and {"uid", "landlock"} <= set(self.off):
-            raise RuntimeError(
-                f"sandbox: refusing to start: a run would keep uid {os.geteuid()} with nothing "
-                f"between it and what that uid may read or write (no uid of its own "
-                f"[{self.off['uid']}]; no Landlock [{self.off['landlock']}]); "
-                f"--sandbox_require=floor starts anyway and gives that up: runs then read this "
-                f"user's files (tokens, ~/.netrc, checkpoints, training data with its expected "
-                f"outputs) and change them (the project, site-packages, out_dir)")
+        if require == "default" and "landlock" in self.off:
+            if "uid" in self.off:
+                what = (f"keep uid {os.geteuid()} with nothing between it and what that uid may "
+                        f"read or write (no uid of its own [{self.off['uid']}]; no Landlock "
+                        f"[{self.off['landlock']}])")
+                lost = ("this user's files (tokens, ~/.netrc, checkpoints, training data with its "
+                        "expected outputs) and change them (the project, site-packages, out_dir)")
+            else:
+                what = (f"have a uid of its own but no Landlock [{self.off['landlock']}]: nothing "
+                        f"keeps it to its own directory and the Python installation")
+                lost = ("what any user may (the project's data/ with its answers), and what they "
+                        "leave in /tmp, /var/tmp, /dev/shm or /run/lock outlives them")
+            raise RuntimeError(f"sandbox: refusing to start: a run would {what}; "
+                               f"--sandbox_require=floor starts anyway and gives that up: runs "
+                               f"then read {lost}")
         print(self.description, file=sys.stderr, flush=True)
         # The pool's process: no run (nor any process of its uid) opens its /proc/<pid>/mem,
         # environ or fd, and its /proc files are root's.
         prctl(PR_SET_DUMPABLE, 0)
-        self.root = tempfile.mkdtemp(prefix="sandbox-")
-        if self.plan["uid"]:
-            os.chmod(self.root, 0o711)             # the runs' uids pass, to their own directory
+        self.root = tempfile.mkdtemp(prefix="sandbox-")      # its mode: _spawn
         self._queue = queue.SimpleQueue()          # (job, future)
         self._lock = threading.Lock()
         self._ready = threading.Event()            # set: a probe passed, or the pool failed
@@ -366,7 +375,9 @@ class Sandbox:
         try:
             checks = json.loads(probe.stdout)
             failed = [k for k in _expected(self.plan) if checks[k] is not True]
-            failed += ["tasks"] * ((checks["tasks"] or 0) > MAX_TASKS)
+            # (the owner's other tasks that ended meanwhile leave a run of its uid some more)
+            slack = 64 * (self.plan["nproc"] == "owner")
+            failed += ["tasks"] * ((checks["tasks"] or 0) > MAX_TASKS + slack)
             failed += [f"uid {self.uids[index]}"] * (self.plan["uid"]
                                                      and checks["uid"] != self.uids[index])
         except (ValueError, KeyError):
@@ -383,8 +394,7 @@ class Sandbox:
         name = f"worker{index}-{next(self._generation)}"
         directory, cgroup = os.path.join(self.root, name), None
         os.makedirs(self.root, 0o700, exist_ok=True)   # the last zygote to go takes it (owner died)
-        if self.plan["uid"]:
-            os.chmod(self.root, 0o711)
+        os.chmod(self.root, 0o711 if self.plan["uid"] else 0o700)   # runs' uids pass, to their own
         os.mkdir(directory, 0o700)
         if self.plan["cgroup"]:
             cgroup = f"{self.plan['cgroup']}/{os.path.basename(self.root)}-{name}"
@@ -417,23 +427,22 @@ class Sandbox:
 
     def _run_on(self, worker, job: dict) -> Result | None:
         """One run on `worker`; None if the worker died before forking it (safe to re-send)."""
-        pipes = [os.pipe() for _ in range(4)]
-        (stdin_r, feed), (out_r, out_w), (err_r, err_w), (end_r, end_w) = pipes
-        fork = json.dumps({"op": "fork", "disk": int(job["disk_mb"] * 2 ** 20)}).encode()
+        (stdin_r, feed), (out_r, out_w), (err_r, err_w) = [os.pipe() for _ in range(3)]
+        fork = json.dumps({"op": "fork", "disk": int(job["disk_mb"] * 2 ** 20),
+                           "cpu": math.ceil(job["timeout"]) + 1}).encode()     # its RLIMIT_CPU
         with contextlib.suppress(OSError):     # if the worker is gone, its end of file comes next
-            socket.send_fds(worker.sock, [fork], [stdin_r, out_w, err_w, end_w])
-        for fd in (stdin_r, out_w, err_w, end_w):
+            socket.send_fds(worker.sock, [fork], [stdin_r, out_w, err_w])
+        for fd in (stdin_r, out_w, err_w):
             os.close(fd)
         spec = json.dumps({k: job[k] for k in ("code", "timeout", "memory_mb", "disk_mb")})
         todo = memoryview(b"%012d" % len(spec) + spec.encode()
                           + job["stdin"].encode("utf-8", "replace"))
         out, err = _Capture(job["output_limit"]), _Capture(job["output_limit"])
-        end = _Capture(64)
-        reads = {out_r: out, err_r: err, end_r: end}
+        reads = {out_r: out, err_r: err}
         poller = select.poll()
         os.set_blocking(feed, False)
         poller.register(feed, select.POLLOUT)
-        for fd in (out_r, err_r, end_r, worker.sock.fileno()):
+        for fd in (out_r, err_r, worker.sock.fileno()):
             poller.register(fd, select.POLLIN)
         start = pid = ended = stopped = None
         deadline, base_rss = time.monotonic() + GRACE, 0
@@ -470,10 +479,10 @@ class Sandbox:
                         for fd in reads:       # the child is reaped: read its pipes to the end
                             while data := os.read(fd, 1 << 16):
                                 reads[fd].add(data)
-                        failure = bytes(end.head + end.tail) if end.total <= 64 else b"X"
-                        status, code = _verdict(job, message, failure, base_rss, bool(stopped))
+                        status, code = _verdict(job, message, message["failure"].encode("latin-1"),
+                                                base_rss, bool(stopped))
                         over = message.get("over")
-                        note = f"sandbox: the run was stopped: {over}\n" if over else ""
+                        note = f"sandbox: the run went over its quota: {over}\n" if over else ""
                         return Result("killed" if over else status, out.text(), err.text() + note,
                                       code, round((ended or time.monotonic()) - start, 6))
                 now = time.monotonic()
@@ -481,9 +490,11 @@ class Sandbox:
                     worker.proc.kill()         # late to fork, or to end once killed: hung
                     deadline = now + 1.0
                 elif now >= deadline:
-                    # As long as the run waited for a CPU, its time is not up (to the backstop).
-                    backstop = start + BACKSTOP * job["timeout"] + 1.0
-                    moved = min(backstop, start + job["timeout"] + _waited(pid))
+                    # Time its main thread waited for a CPU is not up, while the run used less CPU
+                    # than its timeout (its own threads taking turns spend it), to the backstop.
+                    waited = _waited(pid) * (cpu_time(pid) < job["timeout"])
+                    moved = min(BACKSTOP, 1 + waited / job["timeout"])
+                    moved = start + moved * job["timeout"]
                     if moved > now + 0.005:
                         deadline = moved
                         continue
@@ -491,7 +502,7 @@ class Sandbox:
                     with contextlib.suppress(OSError):
                         worker.sock.send(json.dumps({"op": "kill", "pid": pid}).encode())
         finally:
-            for fd in [feed, out_r, err_r, end_r]:
+            for fd in [feed, out_r, err_r]:
                 if fd is not None:
                     os.close(fd)
 
@@ -559,26 +570,17 @@ class Sandbox:
         """What confines a run here, as measured from inside by the first worker's probe run."""
         line = self.wait_ready(timeout)
         (hello, checks), plan = self._probe, self.plan
-        abi, mount = plan["landlock"], plan["mount"]
-        if mount:
-            disk_quota = f"tmpfs {checks['workdir_bytes'] / 2 ** 20:g} MiB"
-        else:
-            disk_quota = (f"polled by the worker: {MAX_FILES} files and the run's disk_mb, open "
-                          f"unlinked files too; RLIMIT_FSIZE; O_TMPFILE and fallocate refused")
-        return {"kernel": platform.release(), "arch": ARCH, "python": platform.python_version(),
-                "workers": self.num_workers,
+        disk = (f"tmpfs {checks['workdir_bytes'] / 2 ** 20:g} MiB" if plan["mount"] else
+                f"counted by the worker: {MAX_FILES} files and the run's disk_mb, at each look "
+                f"and when it ends; RLIMIT_FSIZE; O_TMPFILE, fallocate, links, renames refused")
+        return {"workers": self.num_workers, "layers": line,
                 "preimported": [m for m in hello["preimported"] if "." not in m],
-                "worker_threads": hello["threads"], "process_group": True, "subreaper": True,
-                "layers": line,
+                "worker_threads": hello["threads"], "uids": self.uids, "disk_quota": disk,
                 "tasks": {"mechanism": plan["tasks"], "max": MAX_TASKS,
                           "measured": checks["tasks"]},
-                "namespace": mount and "mount" + " (in a user namespace)" * (mount == "user"),
-                "disk_quota": disk_quota, "rlimits": checks["rlimits"], "landlock_abi": abi,
-                "landlock": {"filesystem": abi >= 1, "tcp": abi >= 4,
-                             "signals_and_abstract_sockets": abi >= 6},
-                "privileges": f"no capabilities, uid {checks['uid']}"
-                              + " (of its own)" * self.plan["uid"], "uids": self.uids,
-                "seccomp": f"bpf filter ({ARCH})",
+                "namespace": plan["mount"] and "mount" + " (in a user namespace)" * (
+                    plan["mount"] == "user"), "rlimits": checks["rlimits"],
+                "landlock_abi": plan["landlock"], "seccomp": f"bpf filter ({ARCH})",
                 "verified": {k: v for k, v in checks.items() if isinstance(v, bool)}}
 
     def worker_pids(self) -> list:
