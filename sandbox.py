@@ -61,8 +61,8 @@ def prepare_code(code: str) -> str:
         code = code[match.end():] if end < 0 else code[match.end():end]
     try:
         body = ast.parse(code).body
-    except SyntaxError:
-        return code             # let the run report the syntax error to the model
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return code             # the run reports it to the model (bad syntax, a NUL, too deep)
     if not body or not isinstance(body[-1], ast.Expr):
         return code
     last = body[-1].value

@@ -887,6 +887,17 @@ def test_prepare_code_prints_the_last_expression(box):
     assert "line 2" in r.stderr                    # line numbers survive the rewrite
 
 
+def test_prepare_code_passes_code_it_cannot_parse_to_the_run(box):
+    """Code ast.parse raises on with something else than SyntaxError (too deep, a NUL byte, a lone
+    surrogate) goes to the run unchanged, which reports the error to the model."""
+    cases = ["1" + "+1" * 100_000, "a\x00b", 'print("\ud800")']
+    assert [prepare_code(c) for c in cases] == cases
+    results = box.run_many(cases)
+    assert [r.status for r in results] == ["error"] * 3
+    assert [r.stderr.split(":")[0].split()[-1] for r in results] == \
+        ["RecursionError", "SyntaxError", "UnicodeEncodeError"]
+
+
 def test_prepare_code_takes_the_first_python_fence():
     text = "Let me check.\n```python\nprint(1)\n2 + 2\n```\nthen\n```python\nprint('second')\n```"
     code = prepare_code(text)
