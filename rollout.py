@@ -17,13 +17,12 @@ id (<|endoftext|>) ends the trajectory.
 
 A trajectory's ids and mask: prompt_ids + response_ids; loss_mask and logprobs one entry per
 response token, written only by Sequence.append: 1 and the sampler's log-prob for each token
-Engine.step samples, 0 and 0.0 for forced ones (Engine.resume: a tool reply; AgentLoop._answer: a
-reply cut at the budget). ChatFormat.forced_ids decides which: the template pieces after an
-assistant's end-of-turn token (itself sampled, 1) up to the next generation prompt. The mask goes
-to Trajectory.loss_mask, then to rl.py's sample "mask" (sft.py makes its own: sft.render), which
-rl.micro_tensors shifts: position t predicts token t + 1, so mask entry i (response token i, at
-position prompt_len + i) belongs to the target at position prompt_len - 1 + i. Only sampled tokens
-count in the loss; forced ones add nothing to loss or gradient.
+Engine.step samples, 0 and 0.0 for forced ones (Engine.resume: a tool reply, the template pieces
+after the sampled end-of-turn token up to the next generation prompt, ChatFormat.forced_ids;
+AgentLoop._answer: a reply cut at the budget). rl.py takes Trajectory.loss_mask as a sample's
+"mask" (sft.py makes its own: sft.render) and shifts it (rl.micro_tensors): position t predicts
+token t + 1, so mask entry i (response token i, at position prompt_len + i) belongs to the target
+at position prompt_len - 1 + i. Only sampled tokens count in the loss and gradient.
 
 Departures from the paper (vLLM inside verl's agent loop): plain PyTorch, no cache of freed prefix
 blocks; a malformed call gets a short error reply (status bad_call) where verl drops it; a reply
@@ -508,9 +507,9 @@ class Engine:
             logp = torch.log_softmax(logits, -1).gather(1, tokens[:, None])[:, 0]
         else:
             u = [s.next_uniform() if p.temperature > 0 else 0.0 for s, p in zip(batch, params)]
-            column = lambda name: torch.tensor([getattr(p, name) for p in params])
-            tokens, logp = sample(logits, column("temperature"), column("top_p"), column("top_k"),
-                                  torch.tensor(u, dtype=torch.float64))
+            columns = (torch.tensor([getattr(p, name) for p in params])
+                       for name in ("temperature", "top_p", "top_k"))
+            tokens, logp = sample(logits, *columns, torch.tensor(u, dtype=torch.float64))
         cols = [tokens.double(), logp.double()]
         if self.raw_logprobs:
             cols.append(torch.log_softmax(logits, -1).gather(1, tokens[:, None])[:, 0].double())
@@ -661,7 +660,7 @@ class ChatFormat:
         return self._pieces[(role, n)]
 
     def forced_ids(self, role, contents):
-        """Ids after an assistant's end-of-turn: `role` messages of these contents, the next prompt."""
+        """Ids after an assistant's end-of-turn: `role` messages of `contents`, the next prompt."""
         pieces = self.pieces(role, len(contents))
         text = "".join(p + self.mark(c) for p, c in zip(pieces, contents)) + pieces[-1]
         return self.encode(text)
