@@ -2,17 +2,17 @@
 
 RMSNorm, rotary embeddings, grouped-query attention, Qwen3's q/k RMSNorm, Qwen2's q/k/v biases,
 SwiGLU, tied or untied embeddings; q/k/v and gate/up each one matmul (fused, as vLLM does).
-from_pretrained and save_pretrained convert from and to the Hugging Face names and config.json
+from_pretrained / save_pretrained convert from and to the Hugging Face names and config.json
 (transformers 4.x or 5.x), loading on the meta device, then tensor by tensor onto the target.
 `token_logprobs` never makes full-vocabulary fp32 logits for a whole sequence (_ChunkedLogprobs).
 Packed input: input_ids [1, N] plus cu_seqlens (cu_seqlens_from_lengths), attention inside each
 sequence (flash-attn varlen where use_flash() picks it, else one SDPA call per sequence).
 `kv_cache`: any object with attend(layer, q, k, v) -> out (rollout.py's paged KV caches).
+
 No departure from the paper's math. Where the paper samples with vLLM and trains with verl, this
-one module does both, with the same weights; the attention kernels differ (the sampler reads its
-paged cache, the trainer attends over packed sequences), so their log-probs agree to rounding, not
-bit for bit: rl.py measures the difference (sampler_mismatch). attention_path() says which
-kernels run here and why.
+one module does both, with the same weights but different attention kernels (paged cache, packed
+sequences): their log-probs agree to rounding, not bit for bit (rl.py's sampler_mismatch).
+attention_path() says which kernels run here and why.
 """
 
 import json
@@ -75,8 +75,8 @@ class ModelConfig:
                                       "(only plain rotary)")
         if d.get("use_sliding_window"):
             raise NotImplementedError(f"{source}: sliding-window attention is not implemented")
-        dtype = d.pop("dtype", None) or d.pop("torch_dtype", None) or "bfloat16"
-        d.pop("torch_dtype", None)
+        torch_dtype = d.pop("torch_dtype", None)
+        dtype = d.pop("dtype", None) or torch_dtype or "bfloat16"
         d["head_dim"] = d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"]
         d.setdefault("num_key_value_heads", d["num_attention_heads"])
         names = {f.name for f in fields(cls)} - {"extra", "rope_theta", "dtype"}
@@ -103,8 +103,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x):
-        # normalised in fp32, the weight applied in the input dtype, as the reference
-        if x.dtype == torch.float32:  # the same values in one op
+        # normalised in fp32, the weight applied in the input dtype, as the reference; fp32: one op
+        if x.dtype == torch.float32:
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
@@ -156,10 +156,10 @@ def attention_path(backend, device, dtype):
 def sdpa(q, k, v, mask=None, strict=None):
     """SDPA over [B, H, T, D], causal when mask is None (else the boolean mask, True: attend), K/V
     heads shared by groups of query heads. strict (default: on CUDA) keeps it off the math kernel,
-    which would materialise fp32 [H, q, k] scores (tens of GB for a long prefill): no fused
-    kernel takes a mask together with unequal head counts (flash takes no mask, the
-    memory-efficient kernel no GQA), so K/V are expanded to the query heads first, and a long
-    call runs with the math kernel disallowed: a fallback is an error, not an OOM."""
+    which would materialise fp32 [H, q, k] scores (tens of GB for a long prefill): no fused kernel
+    takes a mask with unequal head counts (flash takes no mask, memory-efficient no GQA), so K/V
+    are expanded to the query heads first, and a long call disallows the math kernel: a fallback
+    is an error, not an OOM."""
     strict = q.is_cuda if strict is None else strict
     groups = q.shape[1] // k.shape[1]
     if strict and groups > 1 and (mask is not None or q.dtype == torch.float32):
@@ -199,9 +199,8 @@ def attention(q, k, v, packed=None, backend="auto"):
 
 class Linear(nn.Linear):
     """nn.Linear that multiplies by `weight_t`, a contiguous [in, out] copy of its weight, while one
-    is set (rollout.py sets them for its CPU steps): on CPU, where decode streams every weight from
-    memory each step, MKL runs x @ W^T from that layout without repacking W (8% of the rollout
-    bench's wall time)."""
+    is set (fast_sampling.CpuForward, for CPU decode, which streams every weight each step): MKL
+    then runs x @ W^T without repacking W (8% of the rollout bench's wall time)."""
     weight_t = None
 
     def forward(self, x):
@@ -270,9 +269,9 @@ class Block(nn.Module):
 class _ChunkedLogprobs(torch.autograd.Function):
     """log p(target) and entropy from hidden states, chunk of tokens by chunk, keeping only
     per-token results (log p, log-sum-exp, entropy): never a full [N, V] fp32 logits tensor.
-    Backward recomputes the logits one block of the vocabulary at a time: each block of the weight
-    gradient is one matmul (no cross-chunk rounding in bf16), the hidden-state gradient is
-    accumulated in fp32. Extra memory: a few fp32 blocks of `block_bytes`."""
+    Backward recomputes the logits one vocabulary block at a time: each block of the weight
+    gradient is one matmul (no cross-chunk rounding in bf16), the hidden-state gradient summed in
+    fp32. Extra memory: a few fp32 blocks of `block_bytes`."""
 
     @staticmethod
     def forward(ctx, h, weight, targets, temperature, want_entropy, block_bytes):
@@ -369,9 +368,9 @@ class Transformer(nn.Module):
         return self.model.norm(x)
 
     def rope(self, positions, dtype):
-        """rope_cos_sin(positions). On CPU indexed from a table of the first 2^k positions (remade
-        when a position passes its end, or for another dtype) instead of recomputed every decode
-        step; on CUDA, and when compiled, computed: no host read."""
+        """rope_cos_sin(positions): on CPU indexed from a table of the first 2^k positions (remade
+        past its end or for another dtype), not recomputed every decode step; on CUDA and when
+        compiled, computed (no host read)."""
         cfg = self.config
         if positions.is_cuda or torch.compiler.is_compiling():
             return rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, dtype)
@@ -380,8 +379,7 @@ class Transformer(nn.Module):
         if table is None or table[0].shape[1] < n or table[0].dtype != dtype:
             size = 1 << (n - 1).bit_length()  # the smallest power of two >= n
             table = rope_cos_sin(torch.arange(size)[None], cfg.head_dim, cfg.rope_theta, dtype)
-            # a plain attribute: no state_dict entry, not moved by .to()
-            self.__dict__["_rope_table"] = table
+            self.__dict__["_rope_table"] = table  # not a buffer: no state_dict entry, no .to()
         return table[0][0, positions], table[1][0, positions]
 
     def forward(self, input_ids, positions=None, cu_seqlens=None, kv_cache=None):
@@ -482,13 +480,13 @@ class Transformer(nn.Module):
             if stale.startswith("model") and stale.endswith((".safetensors", ".index.json")):
                 os.remove(os.path.join(path, stale))
         n = len(shards)
-        names = [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
-        names = names if n > 1 else ["model.safetensors"]
+        names = ([f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)] if n > 1
+                 else ["model.safetensors"])
         for name, shard in zip(names, shards):
             save_file(shard, os.path.join(path, name), metadata={"format": "pt"})
         if n > 1:
             index = {"metadata": {"total_size": sum(t.nbytes for t in state.values())},
-                     "weight_map": {k: n for n, s in zip(names, shards) for k in s}}
+                     "weight_map": {k: name for name, s in zip(names, shards) for k in s}}
             with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
                 json.dump(index, f, indent=2)
         with open(os.path.join(path, "config.json"), "w") as f:

@@ -1,8 +1,8 @@
 """rollout.py: a paged-KV batched sampler and the multi-turn agent loop with tools.
 
 `generate` / `complete`: token-id prompts in, new ids (and log-probs) out, through an `Engine`
-(continuous batching over PagedKVCache, the reference path; its fast paths, in
-machinery/fast_sampling.py, change only where K/V is read from; keep one Engine per process). The
+(continuous batching over PagedKVCache, the reference path; the fast paths of
+machinery/fast_sampling.py change only where K/V is read from; keep one Engine per process). The
 tokens do not depend on batching, preemption or tool timing (`sample`); the logits do in their last
 bits (CPU fp32: the same tokens, log-probs within 1e-5; CUDA bf16: tokens may differ with the batch
 shape).
@@ -15,17 +15,14 @@ other trajectories keep decoding. The reply (mask 0) is the template's rendering
 messages; message text never becomes an added token (ChatFormat). Token in, token out. Another end
 id (<|endoftext|>) ends the trajectory.
 
-A trajectory's ids and mask. loss_mask and logprobs hold one entry per response token (the ids are
-prompt_ids + response_ids). Only Sequence.append writes them (sampled: 1 and the sampler's log-prob;
-forced: 0 and 0.0), called by Engine.step (each sampled token: 1), Engine.resume (a tool reply
-forced after a turn: 0) and AgentLoop._answer (a reply cut at the response budget: 0). Which ids are
-forced is ChatFormat's: forced_ids fills the template pieces (ChatFormat.pieces) that follow an
-assistant's end-of-turn token, up to the next generation prompt; that end-of-turn token itself was
-sampled (1). Agent.trajectory copies the mask to Trajectory.loss_mask, rl.py to its sample's "mask"
-(sft.py makes its own: sft.render). The trainer shifts it (rl.micro_tensors): position t predicts
-token t + 1, so mask entry i (response token i, at position prompt_len + i) belongs to the target at
-position prompt_len - 1 + i. Only sampled tokens (mask 1) count in the loss; forced tool-reply
-tokens (mask 0) add nothing to loss or gradient.
+A trajectory's ids and mask: prompt_ids + response_ids; loss_mask and logprobs one entry per
+response token, written only by Sequence.append: 1 and the sampler's log-prob for each token
+Engine.step samples, 0 and 0.0 for forced ones (Engine.resume: a tool reply, the template pieces
+after the sampled end-of-turn token up to the next generation prompt, ChatFormat.forced_ids;
+AgentLoop._answer: a reply cut at the budget). rl.py takes Trajectory.loss_mask as a sample's
+"mask" (sft.py makes its own: sft.render) and shifts it (rl.micro_tensors): position t predicts
+token t + 1, so mask entry i (response token i, at position prompt_len + i) belongs to the target
+at position prompt_len - 1 + i. Only sampled tokens count in the loss and gradient.
 
 Departures from the paper (vLLM inside verl's agent loop): plain PyTorch, no cache of freed prefix
 blocks; a malformed call gets a short error reply (status bad_call) where verl drops it; a reply
@@ -125,8 +122,8 @@ class Sequence:
 class BlockManager:
     """Hands out cache blocks and counts their holders. A full block is registered under (previous
     block id, its tokens), exact since the previous block stands for the whole prefix; a fresh
-    sequence takes its registered first blocks instead of recomputing them. The block of a
-    sequence's last token is never shared (its logits)."""
+    sequence takes its registered first blocks instead of recomputing them, except the block of its
+    last token (its logits)."""
 
     def __init__(self, num_blocks, block_size, share_prefix=True):
         self.block_size, self.share_prefix = block_size, share_prefix
@@ -175,24 +172,21 @@ class BlockManager:
 
 
 class PagedKVCache:
-    """Every sequence's K/V in fixed-size blocks: per layer a pool
-    [2, blocks + 1, block_size, Hkv, D] (K then V, flash-attn's paged layout; the last block a spare
-    that padded rows write to), per sequence a block table. `begin` lays out one step; `attend`,
-    model.py's seam, writes the step's K/V into their slots and attends over what each holds.
+    """Every sequence's K/V in fixed-size blocks: per layer a pool [2, blocks + 1, block_size, Hkv,
+    D] (K then V, flash-attn's paged layout; the last block a spare that padded rows write to), per
+    sequence a block table. `begin` lays out one step; `attend`, model.py's seam, writes the step's
+    K/V into their slots and attends over what each holds.
 
-    Prefix sharing (BlockManager) lets the n samples of a prompt hold its full blocks once, and a
-    sequence may take a block that a sibling is filling in the same prefill step. That is exact only
-    because of the order inside `attend`: in every layer, all of the step's new K/V are written into
-    the pool before any sequence reads from it, so the sibling's keys are there when this sequence
-    reads its block table, layer by layer. A reordering that reads before it writes (a fused kernel
-    per sequence, say) would break sharing silently.
+    Prefix sharing (BlockManager): the n samples of a prompt hold its full blocks once, and a
+    sequence may take a block that a sibling fills in the same prefill step. Exact only because
+    `attend` writes all of the step's K/V in a layer before any sequence reads that layer's blocks:
+    a reordering that reads first (a fused kernel per sequence, say) would break sharing silently.
 
-    Preemption (Engine._free) asks nothing of the cache: a sequence that loses its blocks keeps its
-    tokens and sampler state, and is prefilled again when its turn comes, its K/V recomputed into
-    whatever blocks it gets (shared prefix blocks included).
+    Preemption (Engine._free) asks nothing of the cache: the sequence keeps its tokens and sampler
+    state and is prefilled again later, its K/V recomputed into whatever blocks it gets.
 
-    This is the plain path, on any device: a prefill is one SDPA call per sequence (its cached
-    tokens read from its blocks), a decode step gathers each group's blocks. The fast paths of
+    The plain path, on any device: a prefill is one SDPA call per sequence (its cached tokens read
+    from its blocks), a decode step gathers each group's blocks. The fast paths of
     machinery/fast_sampling.py, mixed over it, change only where K/V is read (row buffers;
     flash-attn on the pools)."""
 
@@ -222,8 +216,8 @@ class PagedKVCache:
         self.k_lens, self.q_lens = [len(s) for s in batch], [len(s) - s.num_cached for s in batch]
         self.cu_q = list(itertools.accumulate(self.q_lens, initial=0))
         width = max(len(s.block_table) for s in batch)
-        tables = [s.block_table + [0] * (width - len(s.block_table)) for s in batch]
-        self.block_tables = upload(tables, dev, torch.int32)
+        self.block_tables = upload([s.block_table + [0] * (width - len(s.block_table))
+                                    for s in batch], dev, torch.int32)
         self.context_lens = upload(self.k_lens, dev, torch.int32)
         # the K and the V slot of each token; each sequence's last token
         self.pool_index = upload([(s, s + self.v_offset) for s in slots], dev, torch.long)
@@ -283,10 +277,10 @@ class PagedKVCache:
         (_, Hq, D), hkv, outs = q.shape, kv.shape[2], []
         for start, end, width, mask in self.groups:
             keys, values = self._group_kv(layer, start, end, width)
-            n = end - start  # kv head h answers query heads hG..hG+G-1: [n, Hkv, G, D] queries
-            queries = q[start:end].view(n, hkv, Hq // hkv, D)
+            # kv head h answers query heads hG..hG+G-1: [n, Hkv, G, D] queries
+            queries = q[start:end].view(end - start, hkv, Hq // hkv, D)
             out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask)
-            outs.append(out.reshape(n, Hq, D))
+            outs.append(out.reshape(end - start, Hq, D))
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
     def _attend_prefill(self, layer, q, kv):
@@ -358,9 +352,9 @@ def kv_budget(device, utilization=0.9, trainer_peak=0):
 
 class Engine:
     """Continuous batching over a paged KV cache. Sequences queue on `waiting`; `step` runs one
-    prefill or decode step and returns the sequences that stopped in it (a stop token or the
-    budget). A stopped one keeps its blocks until it is `release`d or `resume`d with forced tokens
-    (a tool reply); under memory pressure it may lose them (preemption: recomputed later)."""
+    prefill or decode step -> the sequences that stopped in it (a stop token or the budget), which
+    keep their blocks until `release`d or `resume`d with forced tokens (a tool reply), unless
+    memory pressure takes them (preemption: recomputed later)."""
 
     def __init__(self, model, max_num_seqs=256, max_prefill_tokens=8192, num_blocks=None,
                  block_size=None, max_seq_lens=None, kv_cache_bytes=None, share_prefix=True,
@@ -377,8 +371,8 @@ class Engine:
         if auto:  # a memory budget, halved without flash-attn: the row buffers may take as much
             cuda = self.device.type == "cuda"
             budget = kv_cache_bytes or (kv_budget(self.device) if cuda else 4 << 30)
-            tokens = kv_pool_tokens(cfg, budget, self.dtype, self.use_flash, block_size)
-            num_blocks = tokens // block_size
+            num_blocks = kv_pool_tokens(cfg, budget, self.dtype, self.use_flash, block_size)
+            num_blocks //= block_size
         row_budget = num_blocks * block_size   # fast_sampling.RowKVCache's token positions
         if auto and max_seq_lens is not None:  # no more than the workload could ever hold
             num_blocks = min(num_blocks, sum(-(-n // block_size) for n in max_seq_lens))
@@ -386,11 +380,11 @@ class Engine:
         self.blocks = BlockManager(num_blocks, block_size, share_prefix)
         # the plain cache with the fast path of this device mixed in (machinery/fast_sampling.py)
         self.cache = fast_sampling.kv_cache(PagedKVCache, cfg, num_blocks, block_size, self.device,
-                                     self.dtype, flash=self.use_flash, row_budget=row_budget,
-                                     max_batch=max_num_seqs, max_seq_lens=max_seq_lens)
+                                            self.dtype, flash=self.use_flash, row_budget=row_budget,
+                                            max_batch=max_num_seqs, max_seq_lens=max_seq_lens)
         self.forward = fast_sampling.CpuForward(model, compile=compile and not self.use_flash)
         self.max_num_seqs, self.max_prefill_tokens = max_num_seqs, max_prefill_tokens
-        self.raw_logprobs, self.stats = False, {}
+        self.raw_logprobs = False
         self.waiting, self.running, self.held = deque(), deque(), []
         self.new_rollout()
 
@@ -464,13 +458,13 @@ class Engine:
         batch = []
         while self.running:
             seq = self.running.popleft()
-            while seq is not None and self.blocks.blocks_missing(seq) > len(self.blocks.free):
+            while self.blocks.blocks_missing(seq) > len(self.blocks.free):
                 if self.running:  # the newest running sequence makes room
                     self._free(self.running.pop(), requeue=True)
-                elif not self._reclaim():
+                elif not self._reclaim():  # nothing else to free: seq itself waits
                     self._free(seq, requeue=True)
-                    seq = None
-            if seq is not None:
+                    break
+            else:  # it fits
                 self._grow(seq)
                 batch.append(seq)
         self.running = deque(batch)
@@ -493,10 +487,9 @@ class Engine:
                 last = h[:, 0] if decode else h[0, self.cache.last_index]  # each sequence's last
                 logits = self.model.lm_head(last).float()
             self.stats["decode_tokens" if decode else "prefill_tokens"] += input_ids.numel()
-        for seq in batch:
-            seq.num_cached = len(seq)
         self.running.extend([] if decode else batch)
         for seq, (token, logp, *raw) in zip(batch, self._sample(batch, logits)):
+            seq.num_cached = len(seq)
             seq.append([int(token)], True, logp, raw[0] if raw else None)
             stop = int(token) in seq.params.stop_token_ids
             full = seq.num_response >= seq.params.max_tokens
@@ -514,9 +507,9 @@ class Engine:
             logp = torch.log_softmax(logits, -1).gather(1, tokens[:, None])[:, 0]
         else:
             u = [s.next_uniform() if p.temperature > 0 else 0.0 for s, p in zip(batch, params)]
-            column = lambda name: torch.tensor([getattr(p, name) for p in params])
-            tokens, logp = sample(logits, column("temperature"), column("top_p"), column("top_k"),
-                                  torch.tensor(u, dtype=torch.float64))
+            columns = (torch.tensor([getattr(p, name) for p in params])
+                       for name in ("temperature", "top_p", "top_k"))
+            tokens, logp = sample(logits, *columns, torch.tensor(u, dtype=torch.float64))
         cols = [tokens.double(), logp.double()]
         if self.raw_logprobs:
             cols.append(torch.log_softmax(logits, -1).gather(1, tokens[:, None])[:, 0].double())
@@ -564,14 +557,13 @@ def generate(model, prompts, max_new_tokens, temperature=0.0, top_p=1.0, stop_to
 class ChatFormat:
     """Token ids of the chat protocol, from the tokenizer's chat template and generation config.
 
-    One rule for every id the project makes from a rendering (prompts, forced tool replies, sft.py's
+    One rule for every id made from a rendering (prompts, forced tool replies, sft.py's
     trajectories): the template's own structure may hold added tokens (<|im_start|>, <tool_call>,
-    ...); message text (a prompt, a tool's output, an assistant's content) never does. So `mark`
-    swaps each added-token string in message text for a private-use character before the template
-    renders it; `encode` splits the rendering at the added tokens left (the template's) and
-    tokenizes the rest as plain text (`plain_ids`), marks turned back into their text. Forced turns
-    (tool replies; user turns in the REPL) are a rendering with placeholder contents, cut at the
-    placeholders (`pieces`, `forced_ids`)."""
+    ...), message text (a prompt, a tool's output, an assistant's content) never does. `mark` swaps
+    each added-token string in message text for a private-use character before rendering; `encode`
+    splits the rendering at the added tokens left (the template's) and tokenizes the rest as plain
+    text (`plain_ids`), the marks turned back. Forced turns (tool replies; REPL user turns) are a
+    rendering with placeholder contents, cut at the placeholders (`pieces`, `forced_ids`)."""
 
     ASSISTANT, CONTENT = "ASSISTANT_PLACEHOLDER_5f1c", "CONTENT_PLACEHOLDER_{}_9d2e"
     PROBE = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": ASSISTANT}]
@@ -668,8 +660,7 @@ class ChatFormat:
         return self._pieces[(role, n)]
 
     def forced_ids(self, role, contents):
-        """Ids after an assistant's end-of-turn token: `role` messages with these contents, then
-        the next prompt."""
+        """Ids after an assistant's end-of-turn: `role` messages of `contents`, the next prompt."""
         pieces = self.pieces(role, len(contents))
         text = "".join(p + self.mark(c) for p, c in zip(pieces, contents)) + pieces[-1]
         return self.encode(text)
@@ -685,11 +676,10 @@ class Tool:
 
 
 def call_outcome(refusal, future):
-    """(status, reply text) of one tool call: the one place a status is decided, from the facts.
-    A refusal (the reply to a call never run: malformed, parse_tool_calls; an unknown tool or a
-    ValueError from the tool, AgentLoop._dispatch): "bad_call". Else the Future: raised (a failed
-    or cancelled run, a closed pool): "error"; the reply text alone: "ok"; (status, text): the
-    tool's own (run_code: the sandbox's ok, error, timeout, memory, killed)."""
+    """(status, reply text) of one tool call, the one place a status is decided. A refusal (the
+    reply to a call never run: malformed, an unknown tool, arguments the tool refused): "bad_call".
+    Else from the Future: raised (a failed or cancelled run, a closed pool): "error"; a str: "ok";
+    (status, text): the tool's own (run_code: the sandbox's ok, error, timeout, memory, killed)."""
     if refusal is not None:
         return "bad_call", refusal
     try:
@@ -879,7 +869,6 @@ def rollout(model, tokenizer, problems, config, sandbox=None, seeds=None, engine
     sandbox module by default. seeds: one per problem, instead of config.seed: sample j of problem i
     then draws the same tokens whichever other problems share the call. engine: an Engine to reuse;
     else engine_kwargs make one. tools: {name: Tool} (default TOOLS), rendered, called by name."""
-    tools = tools or TOOLS
     chat = chat_format(tokenizer, config, tools)
     if seeds is not None and len(seeds) != len(problems):
         raise ValueError(f"{len(seeds)} seeds for {len(problems)} problems")
