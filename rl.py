@@ -318,12 +318,6 @@ def batch_indices(step, batch, num_problems, seed):
     return out
 
 
-def problem_seed(seed, step, position):
-    """The sampler seed of a problem: fixed by (run seed, step, place in the batch), so a resumed
-    step samples what the interrupted one would have, and 1 or N ranks sample alike."""
-    return zlib.crc32(f"rl:{seed}:{step}:{position}".encode()) % 2**31
-
-
 # ---------------------------------------------------------------- the loop
 @dataclass
 class Run:
@@ -457,10 +451,12 @@ def setup(cfg, rank, world, device, sharded):
 
 
 def rollout_phase(run, step, batch, mine):
-    """This rank's problems, samples_per_prompt trajectories each, with the current weights."""
+    """This rank's problems, samples_per_prompt trajectories each, with the current weights. A
+    problem's sampler seed is fixed by (run seed, step, place in the batch): a resumed step samples
+    what the interrupted one would have, and 1 or N ranks sample alike."""
     run.sandbox.seconds = 0.0
     run.model.eval()
-    seeds = [problem_seed(run.cfg.seed, step, i) for i in mine]
+    seeds = [zlib.crc32(f"rl:{run.cfg.seed}:{step}:{i}".encode()) % 2**31 for i in mine]
     with full_weights(run.model):
         return rollout.rollout(run.model, run.tokenizer, [batch[i] for i in mine], run.rcfg,
                                sandbox=run.sandbox, seeds=seeds, engine=run.engine)
@@ -772,9 +768,8 @@ def update(model, opt, samples, num_tokens, num_seqs, cfg, device, world):
         mb = micro_tensors(batch, device)
         want_entropy = cfg.entropy_coef > 0
         out = model.token_logprobs(mb["input_ids"], mb["targets"], cu_seqlens=mb["cu_seqlens"],
-                                   return_entropy=want_entropy,
-                                   temperature=cfg.temperature)                  # [1, N] each
-        logp, ent = out if want_entropy else (out, None)
+                                   return_entropy=want_entropy, temperature=cfg.temperature)
+        logp, ent = out if want_entropy else (out, None)                      # [1, N] each
         old = torch.cat([s["old_logprobs"] for s in batch]).to(device)[None]
         is_w = None
         if cfg.tis_cap > 0:  # TIS: the sampler drew these tokens; weight them towards the trainer

@@ -17,6 +17,8 @@ outputs, and the KV pool (one Engine per process): its budget is the device's us
 what torch does not hold (OUTSIDE) less the largest phase's peak.
 """
 
+from types import SimpleNamespace
+
 import torch
 
 ROWS = 256  # rollout.Engine's max_num_seqs: the most rows one decode step samples
@@ -137,8 +139,6 @@ def kv_pool_tokens(config, budget, dtype, flash, block_size=None):
 def run_sft_phases(model, opt, cfg, device, world, mark, sft):
     """sft.py's step on dummy tokens (sft: the sft module): sft.forward_backward over two packed
     micro-batches of micro_batch_tokens, then AdamW's step."""
-    from types import SimpleNamespace
-
     n = cfg.micro_batch_tokens
     seq = (torch.zeros(n, dtype=torch.int32), torch.ones(n, dtype=torch.bool))
     run = SimpleNamespace(train_seqs=[seq, seq], model=model, device=device, world=world, rank=0)
