@@ -761,12 +761,11 @@ def update(model, opt, samples, num_tokens, num_seqs, cfg, device, world):
     model.train()
     opt.zero_grad(set_to_none=True)
     clip_high = cfg.clip_high if cfg.clip_higher else cfg.clip_low
-    totals = {}
+    totals, want_entropy = {}, cfg.entropy_coef > 0
     # FSDP2 reduce-scatters every micro-batch's gradient (as verl): a gradient kept unsharded
     # between micro-batches (no sync) would hold the whole model's in fp32 on every rank
     for batch in pack(samples, cfg.micro_batch_tokens, device):
         mb = micro_tensors(batch, device)
-        want_entropy = cfg.entropy_coef > 0
         out = model.token_logprobs(mb["input_ids"], mb["targets"], cu_seqlens=mb["cu_seqlens"],
                                    return_entropy=want_entropy, temperature=cfg.temperature)
         logp, ent = out if want_entropy else (out, None)                      # [1, N] each
