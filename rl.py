@@ -57,9 +57,8 @@ from machinery.distributed import (all_gather_list, all_reduce, allocator_defaul
                                    compute_dtype, distributed, gather_group, gather_objects,
                                    print0, resolve_model, start_sandbox, world_advice)
 from machinery.exits import exit_worker, quiet_interrupt, resume_line
-from machinery.flags import parse_config
 from machinery.run_log import Metrics, learning_curve, print_step, step_metrics, write_trajectories
-from model import DTYPES, attention_path
+from model import DTYPES, attention_path, cu_seqlens_from_lengths
 
 
 @dataclass
@@ -144,7 +143,7 @@ RESUME_FIELDS = ("data", "seed", "epochs", "steps", "prompts_per_step", "samples
 
 
 def parse_args(argv):
-    cfg = parse_config(Config, argv, __doc__, presets={"toy": TOY})
+    cfg = flags.parse_config(Config, argv, __doc__, presets={"toy": TOY})
     named = flags.named(argv)
     if "epochs" in named:  # the toy preset counts in steps: an explicit --epochs is obeyed
         flags.rule("steps" not in named or cfg.steps == 0, "epochs", cfg.epochs,
@@ -220,12 +219,10 @@ def shape_reward(correctness, turns, length, cfg):
 
         if score < 0:  score = min(-0.6, score + (num_turns - 2) / 2 * 0.1)
 
-    A wrong answer is one whose correctness is negative (-1: a wrong math or choice answer, a code
-    answer without a program; partial code credit is not wrong). verl's num_turns counts the
-    conversation's messages (the user's, each assistant turn, each tool reply), so
-    (num_turns - 2) / 2 is the number of tool turns (`tool_turns`): trying the tool pays, but never
-    as much as a right answer. Then DAPO's overlong penalty on the response length, forced
-    tool-reply tokens included."""
+    Wrong means negative correctness (a wrong math or choice answer, a code answer without a
+    program; partial code credit is not wrong). verl's num_turns counts the messages (the user's,
+    each assistant turn, each tool reply), so (num_turns - 2) / 2 is `tool_turns`: trying the tool
+    pays, never as much as a right answer. Then DAPO's overlong penalty, tool replies included."""
     r = correctness
     if cfg.tool_bonus and r < 0:
         r = min(cfg.tool_bonus_cap, r + cfg.tool_bonus_per_turn * turns)
@@ -294,10 +291,11 @@ def load_problems(path):
     return problems
 
 
-def drop_overlong(problems, tokenizer, rcfg, max_tokens, path):
-    """The recipe's filter_overlong_prompts: prompts over max_tokens (chat template and tool
-    schema included) are dropped at load time, counted and reported, instead of failing mid-run."""
+def drop_overlong(problems, tokenizer, rcfg, path):
+    """The recipe's filter_overlong_prompts: prompts over rcfg.max_prompt_tokens (chat template and
+    tool schema included) are dropped at load time, counted and reported, not failing mid-run."""
     chat = rollout.chat_format(tokenizer, rcfg)  # the prompt exactly as the rollout renders it
+    max_tokens = rcfg.max_prompt_tokens
     kept = [p for p in problems if len(chat.prompt_ids(p["prompt"], p.get("system"))) <= max_tokens]
     if len(kept) < len(problems):
         print0(f"{path}: dropped {len(problems) - len(kept)} of {len(problems)} problems with "
@@ -318,12 +316,6 @@ def batch_indices(step, batch, num_problems, seed):
         take = perm[offset:offset + batch - len(out)].tolist()
         out, pos = out + take, pos + len(take)
     return out
-
-
-def problem_seed(seed, step, position):
-    """The sampler seed of a problem: fixed by (run seed, step, place in the batch), so a resumed
-    step samples what the interrupted one would have, and 1 or N ranks sample alike."""
-    return zlib.crc32(f"rl:{seed}:{step}:{position}".encode()) % 2**31
 
 
 # ---------------------------------------------------------------- the loop
@@ -375,20 +367,30 @@ def _train(cfg, rank, world, device, sharded):
         with phase("rollout", times, memory, device):
             trajs = rollout_phase(run, step, batch, mine)
         times["sandbox"] = run.sandbox.seconds
-        with phase("score", times, memory, device):
+        with phase("score", times, memory, device):  # rewards, then GRPO's advantages
             samples = score_phase(run, batch, mine, trajs)
-            advantages_phase(samples, cfg)
+            adv = group_advantages([s["reward"] for s in samples], cfg.samples_per_prompt,
+                                   cfg.adv_eps)  # a problem's whole group is on this rank
+            for s, a in zip(samples, adv.tolist()):
+                s["adv"] = a
         everyone, groups, kept = share_rewards(samples, cfg)
-        with phase("old_logprob", times, memory, device):
-            old_logprobs_phase(run, samples)
-        with phase("update", times, memory, device):
+        with phase("old_logprob", times, memory, device):  # with the training forward
+            score_tokens(run.model, samples, "old_logprobs", cfg, device, entropy=True)
+            if run.ref is not None:
+                score_tokens(run.ref, samples, "ref_logprobs", cfg, device)
+        with phase("update", times, memory, device):  # the loss, one optimizer step a mini-batch
             updates = update_phase(run, step, samples, kept)
-        mismatch = sampler_mismatch(samples, device)
-        record = step_metrics(step + 1, everyone, groups, updates, mismatch, device,
-                              run.engine.stats)
+        record = step_metrics(step + 1, everyone, groups, updates,
+                              sampler_mismatch(samples, device), device, run.engine.stats)
         keep_trajectories(cfg, step + 1, batch_ids, batch, samples, run.tokenizer)
         eval_phase(run, step + 1, record, times, memory)
-        log_phase(run, record, samples, t_step, times, memory)
+        times["step"] = time.time() - t_step
+        record["time"] = {k: round(v, 3) for k, v in times.items()}
+        if memory:
+            record["memory_gib"] = memory
+        # logged before the checkpoint: a run killed between the two redoes the step, not its line
+        run.metrics.log(**record)
+        print_step(record, samples, cfg)
         save_phase(run, step + 1)
     return finish(run)
 
@@ -400,9 +402,7 @@ def setup(cfg, rank, world, device, sharded):
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     problems = load_problems(cfg.data)
-    eval_problems = []
-    if cfg.eval_data:
-        eval_problems = load_problems(cfg.eval_data)[:cfg.eval_limit or None]
+    eval_problems = load_problems(cfg.eval_data)[:cfg.eval_limit or None] if cfg.eval_data else []
     start_sandbox(cfg.sandbox_workers, cfg.sandbox_require, rank)
     if cfg.top_p < 1 or cfg.top_k > 0:
         print0(f"warning: top_p {cfg.top_p} / top_k {cfg.top_k}: the sampler draws from a "
@@ -412,10 +412,9 @@ def setup(cfg, rank, world, device, sharded):
     tokenizer = AutoTokenizer.from_pretrained(path)
     rcfg = rollout.RolloutConfig(n=cfg.samples_per_prompt, temperature=cfg.temperature,
                                  top_p=cfg.top_p, **{k: getattr(cfg, k) for k in SHARED})
-    problems = drop_overlong(problems, tokenizer, rcfg, cfg.max_prompt_tokens, cfg.data)
+    problems = drop_overlong(problems, tokenizer, rcfg, cfg.data)
     if eval_problems:
-        eval_problems = drop_overlong(eval_problems, tokenizer, rcfg, cfg.max_prompt_tokens,
-                                      cfg.eval_data)
+        eval_problems = drop_overlong(eval_problems, tokenizer, rcfg, cfg.eval_data)
     if cfg.prompts_per_step > len(problems):  # verl's dataloader would be empty: it refuses too
         flags.refuse("prompts_per_step", cfg.prompts_per_step, f"allowed: at most the "
                      f"{len(problems)} problems of {cfg.data} (a step would repeat problems)")
@@ -426,9 +425,7 @@ def setup(cfg, rank, world, device, sharded):
     model.gradient_checkpointing = cfg.activation_checkpointing
     if device.type == "cuda" or cfg.attn_backend == "flash":
         print0(attention_path(cfg.attn_backend, device, compute_dtype(device)))
-    ref = None
-    if cfg.kl_coef > 0:
-        ref = build_model(path, device, sharded).requires_grad_(False)   # the frozen start
+    ref = build_model(path, device, sharded).requires_grad_(False) if cfg.kl_coef > 0 else None
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                             weight_decay=cfg.weight_decay)
     engine, probe = make_engine(model, cfg, device, world, bool(eval_problems))
@@ -454,10 +451,12 @@ def setup(cfg, rank, world, device, sharded):
 
 
 def rollout_phase(run, step, batch, mine):
-    """This rank's problems, samples_per_prompt trajectories each, with the current weights."""
+    """This rank's problems, samples_per_prompt trajectories each, with the current weights. A
+    problem's sampler seed is fixed by (run seed, step, place in the batch): a resumed step samples
+    what the interrupted one would have, and 1 or N ranks sample alike."""
     run.sandbox.seconds = 0.0
     run.model.eval()
-    seeds = [problem_seed(run.cfg.seed, step, i) for i in mine]
+    seeds = [zlib.crc32(f"rl:{run.cfg.seed}:{step}:{i}".encode()) % 2**31 for i in mine]
     with full_weights(run.model):
         return rollout.rollout(run.model, run.tokenizer, [batch[i] for i in mine], run.rcfg,
                                sandbox=run.sandbox, seeds=seeds, engine=run.engine)
@@ -473,18 +472,9 @@ def score_phase(run, batch, mine, trajs):
     return samples
 
 
-def advantages_phase(samples, cfg):
-    """GRPO's group-normalised advantages: a problem's whole group is on this rank."""
-    rewards = [s["reward"] for s in samples]
-    advantages = group_advantages(rewards, cfg.samples_per_prompt, cfg.adv_eps).tolist()
-    for s, a in zip(samples, advantages):
-        s["adv"] = a
-
-
 def share_rewards(samples, cfg):
-    """Every rank's per-sample numbers (for the metrics), the rewards of each group, and the
-    groups to train on: with dynamic sampling only those whose rewards differ (the others carry
-    no signal)."""
+    """Every rank's per-sample numbers (for the metrics), each group's rewards, and the groups to
+    train on: with dynamic sampling only those whose rewards differ (the others carry no signal)."""
     keys = ("problem", "reward", "score", "correct", "tool_calls", "tool_ok", "length", "finish")
     # the first collective after the rank-local rollout and grading: it waits for the slowest
     # rank on the long-timeout group (a slow sandbox or long trajectories are no stuck node)
@@ -497,21 +487,13 @@ def share_rewards(samples, cfg):
     return everyone, groups, kept
 
 
-def old_logprobs_phase(run, samples):
-    """The old (and reference) log-probs, with the training forward."""
-    score_tokens(run.model, samples, "old_logprobs", run.cfg, run.device, entropy=True)
-    if run.ref is not None:
-        score_tokens(run.ref, samples, "ref_logprobs", run.cfg, run.device)
-
-
 def sampler_mismatch(samples, device):
     """The sampler's log-probs against the trainer's old ones on this step's sampled tokens, over
-    every rank: the mean and largest |difference|, the share of tokens whose ratio leaves
-    [0.9, 1.1]; and the mean entropy. The sampler's are under the distribution it drew from
-    (softmax at the temperature, cut to top-k / top-p and renormalised: rollout.sample), the
-    trainer's under the full softmax at the same temperature; they agree, up to the two attention
-    kernels' rounding, only at top_p 1 and top_k 0 (the RL defaults; setup warns otherwise). The
-    loss's ratio uses the trainer's."""
+    every rank: mean and largest |difference|, the share of tokens whose ratio leaves [0.9, 1.1];
+    and the mean entropy. The sampler's are under the distribution it drew from (cut to top-k /
+    top-p: rollout.sample), the trainer's under the full softmax, both at the temperature: they
+    agree, up to the attention kernels' rounding, only at top_p 1 and top_k 0 (the defaults; setup
+    warns otherwise). The loss's ratio uses the trainer's."""
     ent = total = worst = outside = count = 0.0
     for s in samples:
         m, start = torch.tensor(s["mask"], dtype=torch.bool), s["prompt_len"] - 1
@@ -551,24 +533,12 @@ def update_phase(run, step, samples, kept):
 
 def eval_phase(run, step, record, times, memory):
     """Held-out evaluation every eval_every steps and after the last."""
-    last = step == run.steps
-    if not run.eval_problems or not (last or (run.cfg.eval_every and
-                                              step % run.cfg.eval_every == 0)):
-        return
-    with phase("eval", times, memory, run.device):
-        record["eval"] = run.evals["last"] = run_eval(run, step)
-    if last:
-        run.evals["after"] = run.evals["last"]
-
-
-def log_phase(run, record, samples, t_step, times, memory):
-    times["step"] = time.time() - t_step
-    record["time"] = {k: round(v, 3) for k, v in times.items()}
-    if memory:
-        record["memory_gib"] = memory
-    # logged before the checkpoint: a run killed between the two redoes the step, not its line
-    run.metrics.log(**record)
-    print_step(record, samples, run.cfg)
+    last, every = step == run.steps, run.cfg.eval_every
+    if run.eval_problems and (last or (every and step % every == 0)):
+        with phase("eval", times, memory, run.device):
+            record["eval"] = run.evals["last"] = run_eval(run, step)
+        if last:
+            run.evals["after"] = run.evals["last"]
 
 
 def save_phase(run, step):
@@ -607,9 +577,9 @@ def finish(run):
 @contextmanager
 def full_weights(model):
     """Generation needs every weight on every rank: under FSDP2 all-gather each unit once for the
-    whole rollout (not once per token) and free it afterwards; a plain module is already whole.
-    Afterwards the blocks reshard after each forward again, the root does not (FSDP's own choice
-    for it: its embeddings and head would be gathered again at once for the backward)."""
+    whole rollout (not once per token), then free it; a plain module is already whole. Afterwards
+    the blocks reshard after each forward again, the root does not (FSDP's own choice: its
+    embeddings and head would be gathered again at once for the backward)."""
     from torch.distributed.fsdp import FSDPModule
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
     if units:
@@ -648,9 +618,8 @@ def make_engine(model, cfg, device, world, evaluating):
     """The process's one Engine (KV pool and CUDA graphs) for every rollout and evaluation, and on
     CUDA what sized it ({phase or "kv_pool": GiB}). Its pool holds the larger of a step's and an
     evaluation batch's sequences at full length; on CUDA no more than the device has left at the
-    largest peak of a step's phases, measured by running them (machinery/memory_plan.py;
-    scripts/plan.py prints the same phases without a GPU). Built before a resume loads AdamW's
-    moments: the measured step allocates its own."""
+    largest peak of a step's phases, measured by running them (machinery/memory_plan.py). Built
+    before a resume loads AdamW's moments: the measured step allocates its own."""
     seqs = -(-cfg.prompts_per_step // world) * cfg.samples_per_prompt
     if evaluating:
         seqs = max(seqs, evaluate.batch_problems(cfg.eval_n, 0) * cfg.eval_n)
@@ -749,7 +718,6 @@ def micro_tensors(batch, device):
     tokens), per-token advantages and sampler log-probs, and each token's sample index.
     The shift: position t predicts token t + 1, so a sample's response mask (one entry per
     response token) starts at position prompt_len - 1 (rollout.py: a trajectory's ids and mask)."""
-    from model import cu_seqlens_from_lengths
     cols = {k: [] for k in ("input_ids", "targets", "mask", "adv", "sampler_logprobs", "seq_ids")}
     lengths = []
     for k, s in enumerate(batch):
@@ -785,27 +753,22 @@ def score_tokens(model, samples, key, cfg, device, entropy=False):
 
 def update(model, opt, samples, num_tokens, num_seqs, cfg, device, world):
     """One optimizer step's gradient on this rank's share of a mini-batch; returns summed stats.
-    Why it is the exact token mean over the whole mini-batch, however micro-batches and ranks
-    split it:
-      each micro-batch's loss is sum(its tokens' terms) / num_tokens (the mini-batch's count of
-      mask-1 tokens, all ranks); backward() adds the micro-batches' gradients on a rank; FSDP2's
-      reduce-scatter then averages over the ranks (it divides the sum by world:
-      distributed.build_model says so where FSDP2 is built), so backpropagating loss x world turns
-      that average into the sum over ranks and micro-batches of sum(terms) / num_tokens = the
-      mini-batch's token mean."""
+    The exact token mean over the mini-batch, however micro-batches and ranks split it: each
+    micro-batch's loss is sum(its tokens' terms) / num_tokens (the mini-batch's mask-1 count over
+    all ranks); backward() adds the micro-batches' gradients on a rank; FSDP2's reduce-scatter
+    averages them over the ranks (distributed.build_model), so backpropagating loss x world gives
+    the sum over ranks and micro-batches: the mini-batch's token mean."""
     model.train()
     opt.zero_grad(set_to_none=True)
     clip_high = cfg.clip_high if cfg.clip_higher else cfg.clip_low
-    totals = {}
+    totals, want_entropy = {}, cfg.entropy_coef > 0
     # FSDP2 reduce-scatters every micro-batch's gradient (as verl): a gradient kept unsharded
     # between micro-batches (no sync) would hold the whole model's in fp32 on every rank
     for batch in pack(samples, cfg.micro_batch_tokens, device):
         mb = micro_tensors(batch, device)
-        want_entropy = cfg.entropy_coef > 0
         out = model.token_logprobs(mb["input_ids"], mb["targets"], cu_seqlens=mb["cu_seqlens"],
-                                   return_entropy=want_entropy,
-                                   temperature=cfg.temperature)                  # [1, N] each
-        logp, ent = out if want_entropy else (out, None)
+                                   return_entropy=want_entropy, temperature=cfg.temperature)
+        logp, ent = out if want_entropy else (out, None)                      # [1, N] each
         old = torch.cat([s["old_logprobs"] for s in batch]).to(device)[None]
         is_w = None
         if cfg.tis_cap > 0:  # TIS: the sampler drew these tokens; weight them towards the trainer
@@ -855,10 +818,9 @@ def run_eval(run, step):
 
 
 def keep_trajectories(cfg, step, batch_ids, batch, samples, tokenizer):
-    """The step's first cfg.save_trajectories groups, whole, into
-    out_dir/trajectories/step_NNNNNN.jsonl.gz (rank 0 writes what every rank sends): evaluate.py's
-    trajectory records plus the step, reward, advantage and the trainer's log-probs of the
-    response tokens (what `python scripts/view.py out_dir` shows)."""
+    """The step's first cfg.save_trajectories groups, whole, into out_dir/trajectories (rank 0
+    writes what every rank sends): evaluate.py's trajectory records plus the step, reward,
+    advantage and the trainer's log-probs of the response tokens (scripts/view.py shows them)."""
     def digits4(values):   # 4 significant digits
         return [float(f"{x:.4g}") for x in values]
 

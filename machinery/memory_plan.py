@@ -1,33 +1,30 @@
 """machinery/memory_plan.py: what one RL step holds on a GPU, phase by phase, and the KV pool that
 fits beside it.
 
-One accounting for two users: rl.make_engine measures it on CUDA at start-up and sizes its KV pool
-from it; scripts/plan.py runs the same phases on fake tensors for N simulated ranks (no GPU) and
-prints them. Both run `run_phases`, which calls rl.py's own functions (passed in: this file
-imports no stage) on dummy tokens, so the plan cannot drift from the code it plans:
-
+rl.make_engine measures it on CUDA at start-up and sizes its KV pool from it; scripts/plan.py runs
+the same phases on fake tensors for N simulated ranks (no GPU). Both call `run_phases`, which runs
+rl.py's own functions (passed in: this file imports no stage) on dummy tokens, so the plan cannot
+drift from the code it plans:
 - generate: every weight gathered (rl.full_weights), a prefill and the sampler (`generation`).
 - old_logprob: one no-grad pass of logprob_micro_batch_tokens (rl.score_tokens).
-- update: rl.update on two micro-batches of micro_batch_tokens, with its micro-batch and gradient
-  sync pattern (a gradient held between micro-batches shows in the second).
+- update: rl.update on two micro-batches of micro_batch_tokens (a gradient held between
+  micro-batches shows in the second).
 - optimizer: AdamW's step.
-A sequence longer than a micro-batch goes alone in one (rl.pack): no micro-batch is planned
-shorter than a full-length one (max_prompt_tokens + max_response_tokens). What stays from the
-run's first step on is resident in every phase: AdamW's two fp32 moments (a step on zero
-gradients, lr 0, allocates them) and, with flash-attn, the decode graphs' outputs.
-
-The KV pool is resident through every phase (one Engine per process): its budget is the device's
-usable memory less what torch does not hold (OUTSIDE) less the largest phase's peak;
-kv_pool_tokens turns it into tokens, for rollout.Engine and the plan alike.
+A sequence longer than a micro-batch goes alone in one (rl.pack), so no micro-batch is planned
+shorter than a full-length one. Resident in every phase from the run's first step on: AdamW's two
+fp32 moments (a step on zero gradients allocates them), with flash-attn the decode graphs'
+outputs, and the KV pool (one Engine per process): its budget is the device's usable memory less
+what torch does not hold (OUTSIDE) less the largest phase's peak.
 """
+
+from types import SimpleNamespace
 
 import torch
 
-PHASES = ("generate", "old_logprob", "update", "optimizer")
 ROWS = 256  # rollout.Engine's max_num_seqs: the most rows one decode step samples
-# Held outside torch's allocator on a GPU, which rl.py's budget subtracts as it finds it
-# (rollout.kv_budget) and the plan estimates: the CUDA context with the kernels a run loads
-# (0.5-1 GiB), NCCL's buffers for the ranks' communicator (with NVLink SHARP on 8 H100s ~1 GiB).
+# Held outside torch's allocator (rl.py's budget finds it, rollout.kv_budget; the plan estimates
+# it): the CUDA context with the kernels a run loads (0.5-1 GiB), NCCL's buffers (~1 GiB with
+# NVLink SHARP on 8 H100s).
 OUTSIDE = dict(cuda_context=1 << 30, nccl=1 << 30)
 
 
@@ -43,11 +40,10 @@ def dummy_sample(tokens, device):
 
 
 def run_phases(model, opt, cfg, device, world, mark, rl, flash):
-    """The phases of one RL step (PHASES) on dummy tokens, mark(name) before each and mark(None)
-    after the last. rl: what holds rl.py's full_weights, score_tokens, update and rollout (the rl
-    module). opt must be an AdamW that may step (rl.py passes a throwaway with lr 0: the weights do
-    not move). flash: the rollout runs flash-attn (CUDA graphs) or SDPA. A collective on every
-    rank, as the step is."""
+    """One RL step's phases on dummy tokens, mark(name) before each and mark(None) after the last;
+    a collective on every rank, as the step is. rl: the rl module (its full_weights, score_tokens,
+    update, rollout). opt: an AdamW that may step (rl.py's throwaway has lr 0). flash: the rollout
+    runs flash-attn (CUDA graphs) or SDPA."""
     full = cfg.max_prompt_tokens + cfg.max_response_tokens
     with_moments(model, opt)
     graphs = torch.empty(2 * ROWS - 1, model.config.vocab_size, device=device) if flash else None
@@ -77,9 +73,9 @@ def generation(model, cfg, device, flash, sample):
     """What a rollout adds to the gathered weights, its KV pool aside: the prefill of a full-length
     sequence (a preempted one is computed again whole), then rollout.sample over ROWS rows, sorted
     as evaluation's top-p sorts them. Without flash-attn the prefill behind a cached prompt also
-    reads one layer's K/V into the scratch the cache keeps, a [q, k] mask and K/V expanded to the
-    query heads (rollout.PagedKVCache, model.sdpa). (With flash-attn run_phases holds the decode
-    graphs' outputs: fp32 logits [b, V] for each bucket b up to ROWS, fast_sampling.FlashKVCache.)"""
+    holds one layer's K/V in the cache's scratch, a [q, k] mask and K/V expanded to the query heads
+    (rollout.PagedKVCache, model.sdpa). With flash-attn run_phases holds the decode graphs'
+    outputs: fp32 logits [b, V] for each bucket b up to ROWS (fast_sampling.FlashKVCache)."""
     c, full = model.config, cfg.max_prompt_tokens + cfg.max_response_tokens
     kw = dict(dtype=model.lm_head.weight.dtype, device=device)
     scratch = [] if flash else [
@@ -106,10 +102,9 @@ def with_moments(model, opt):
 
 
 def probe_optimizer(model, cfg, foreach=None):
-    """An AdamW like the run's with lr 0 (and so no decay): its step allocates and touches what the
-    run's does, and moves no weight; its moments are freed with it. foreach=None: torch's choice
-    for the device (on CUDA, the multi-tensor step, whose temporaries are a whole shard; the plan
-    asks for it on its CPU tensors)."""
+    """An AdamW like the run's with lr 0 (so no decay): its step allocates what the run's does and
+    moves no weight. foreach=None: torch's choice (on CUDA the multi-tensor step, whose temporaries
+    are a whole shard; the plan asks for it on its CPU tensors)."""
     return torch.optim.AdamW(model.parameters(), lr=0.0, betas=(cfg.beta1, cfg.beta2),
                              weight_decay=cfg.weight_decay, foreach=foreach)
 
@@ -143,10 +138,7 @@ def kv_pool_tokens(config, budget, dtype, flash, block_size=None):
 
 def run_sft_phases(model, opt, cfg, device, world, mark, sft):
     """sft.py's step on dummy tokens (sft: the sft module): sft.forward_backward over two packed
-    micro-batches of micro_batch_tokens (its micro-batch and gradient sync pattern), then AdamW's
-    step."""
-    from types import SimpleNamespace
-
+    micro-batches of micro_batch_tokens, then AdamW's step."""
     n = cfg.micro_batch_tokens
     seq = (torch.zeros(n, dtype=torch.int32), torch.ones(n, dtype=torch.bool))
     run = SimpleNamespace(train_seqs=[seq, seq], model=model, device=device, world=world, rank=0)

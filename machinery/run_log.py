@@ -8,7 +8,6 @@ import os
 import secrets
 from dataclasses import asdict
 
-import torch
 import torch.distributed as dist
 
 from machinery.distributed import all_reduce, print0
@@ -60,8 +59,7 @@ class Metrics:
 
 
 def flat_numbers(record, prefix=""):
-    """{"time": {"rollout": 1.5}, "event": "step"} -> {"time/rollout": 1.5}: the numbers, nested
-    names joined by /."""
+    """{"time": {"rollout": 1.5}, "event": "step"} -> {"time/rollout": 1.5}: the numbers only."""
     out = {}
     for key, value in record.items():
         if isinstance(value, dict):
@@ -79,10 +77,8 @@ def start_wandb(config, out_dir, step):
     except ImportError:
         raise SystemExit("--wandb_project needs the wandb package: pip install wandb") from None
     id_file = os.path.join(out_dir, "wandb_run_id")
-    if step and os.path.exists(id_file):
-        run_id = open(id_file).read().strip()
-    else:
-        run_id = secrets.token_hex(4)
+    resumed = step and os.path.exists(id_file)
+    run_id = open(id_file).read().strip() if resumed else secrets.token_hex(4)
     os.makedirs(out_dir, exist_ok=True)
     with open(id_file, "w") as f:
         f.write(run_id)
@@ -91,8 +87,8 @@ def start_wandb(config, out_dir, step):
 
 
 def write_trajectories(out_dir, step, records):
-    """records (rank 0's gathered list) into out_dir/trajectories/step_NNNNNN.jsonl.gz, by
-    problem and sample, one compact JSON line each (what `python scripts/view.py out_dir` reads)."""
+    """records (rank 0's gathered list) into out_dir/trajectories/step_NNNNNN.jsonl.gz, by problem
+    and sample, one compact JSON line each (what scripts/view.py reads)."""
     folder = os.path.join(out_dir, "trajectories")
     os.makedirs(folder, exist_ok=True)
     # a lone surrogate (a call's "\ud800") is no UTF-8: written as that escape, it reads back as is
