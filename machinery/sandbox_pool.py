@@ -1,16 +1,12 @@
-"""machinery/sandbox_pool.py: the machinery behind sandbox.py: the warm pool and the verdicts.
-
-sandbox.py is the front (what the rest of the project calls, and the method in brief); this file,
-with sandbox_worker.py (the zygote and the child, which the workers run) and sandbox_linux.py (the
-kernel calls a run locks itself down with), is how it is done (docs/SANDBOX.md has the reasoning):
-- Sandbox: the pool, one thread per worker in the calling process, which it makes not dumpable.
-  It writes each run's job and stdin, reads and caps its output (_Capture), keeps its deadline
-  (the timeout, moved by what its main thread waited for a CPU, up to BACKSTOP times), and
-  gives the verdict (_verdict) from kernel facts, never from what the run wrote.
-- grants() and _layers(): what this machine grants of the optional LAYERS (sandbox_linux.detect(),
-  once per process) and the plan the workers follow, among it the uid each worker's runs get;
-  _PROBE and _expected(): each worker's first run checks from inside that the plan holds.
-This file never imports sandbox.py.
+"""machinery/sandbox_pool.py: the warm pool behind sandbox.py, and its verdicts (the workers run
+sandbox_worker.py; docs/SANDBOX.md has the reasoning). Never imports sandbox.py.
+- Sandbox: one thread per worker in the calling process, which it makes not dumpable. It writes
+  each run's job and stdin, reads and caps its output (_Capture), keeps its deadline (the timeout,
+  moved by what its main thread waited for a CPU, up to BACKSTOP times), and gives the verdict
+  (_verdict) from kernel facts, never from what the run wrote.
+- grants() and _layers(): what this machine grants of the optional LAYERS (once per process) and
+  the plan the workers follow, among it the uid each worker's runs get; each worker's first run
+  (_PROBE) checks from inside that the plan holds (_expected).
 """
 from __future__ import annotations
 
@@ -146,11 +142,6 @@ def _environment(directory: str) -> dict:
     return env
 
 
-def _site() -> list:
-    """The installation's site-packages directories, which workers (python -S) add themselves."""
-    return sorted({sysconfig.get_paths()[key] for key in ("purelib", "platlib")})
-
-
 @functools.lru_cache(maxsize=None)
 def grants() -> dict:
     """What this machine grants of the optional layers: sandbox_linux.detect() in a fresh process
@@ -194,14 +185,12 @@ def _layers(found: dict) -> tuple:
     if uid["why"] and (nproc_userns or (root["why"] and not user["why"])):
         mount = "user"
     else:
-        mount = "root" if not root["why"] else None
-    if cgroup:
-        tasks = f"pids cgroup {cgroup[1]}"
-    else:
-        tasks = (nproc_uid and "RLIMIT_NPROC of the run's uid"
-                 or nproc_userns and "RLIMIT_NPROC in a user namespace"
-                 or nproc_owner and f"RLIMIT_NPROC of uid {os.geteuid()} (its tasks + {MAX_TASKS})"
-                 or None)
+        mount = None if root["why"] else "root"
+    tasks = (cgroup and f"pids cgroup {cgroup[1]}"
+             or nproc_uid and "RLIMIT_NPROC of the run's uid"
+             or nproc_userns and "RLIMIT_NPROC in a user namespace"
+             or nproc_owner and f"RLIMIT_NPROC of uid {os.geteuid()} (its tasks + {MAX_TASKS})"
+             or None)
     plan = {"landlock": found["landlock"], "mount": mount, "cgroup": cgroup and cgroup[0],
             "nproc": "owner" if nproc_owner else bool(nproc_uid or nproc_userns),
             "tasks": tasks or "polled by the worker",
@@ -307,11 +296,9 @@ class Sandbox:
         self._trouble = None                       # why no worker is ready now
         self._closed, self._stop = False, threading.Event()
         self._generation = itertools.count(1)
-        self._workers = [None] * self.num_workers
-        self._failures = [0] * self.num_workers
+        self._workers, self._failures = [None] * self.num_workers, [0] * self.num_workers
         self._threads = [threading.Thread(target=self._serve, args=(i,), name=f"sandbox-{i}",
-                                          daemon=True)
-                         for i in range(self.num_workers)]
+                                          daemon=True) for i in range(self.num_workers)]
         for thread in self._threads:
             thread.start()
         atexit.register(self.close)
@@ -402,8 +389,10 @@ class Sandbox:
             with open(cgroup + "/pids.max", "w") as f:
                 f.write(str(MAX_TASKS + 1))       # the idle zygote is the cgroup's one other task
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        config = {"fd": theirs.fileno(), "dir": directory, "cgroup": cgroup, "site": _site(),
-                  "preimport": self.preimport, "plan": self.plan, "uid": self.uids[index]}
+        config = {"fd": theirs.fileno(), "dir": directory, "cgroup": cgroup,
+                  "preimport": self.preimport, "plan": self.plan, "uid": self.uids[index],
+                  # the installation's site-packages directories: a worker (-S) adds them itself
+                  "site": sorted({sysconfig.get_paths()[k] for k in ("purelib", "platlib")})}
         command = [sys.executable, "-I", "-S", WORKER_FILE, "--worker", json.dumps(config)]
         proc = subprocess.Popen(command, pass_fds=[theirs.fileno()], env=_environment(directory),
                                 cwd=directory, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
@@ -493,8 +482,7 @@ class Sandbox:
                     # Time its main thread waited for a CPU is not up, while the run used less CPU
                     # than its timeout (its own threads taking turns spend it), to the backstop.
                     waited = _waited(pid) * (cpu_time(pid) < job["timeout"])
-                    moved = min(BACKSTOP, 1 + waited / job["timeout"])
-                    moved = start + moved * job["timeout"]
+                    moved = start + min(BACKSTOP, 1 + waited / job["timeout"]) * job["timeout"]
                     if moved > now + 0.005:
                         deadline = moved
                         continue
@@ -655,12 +643,9 @@ print(json.dumps({{"fork_blocked": refused(os.fork), "inet_blocked": refused(soc
 
 def _expected(plan: dict) -> list:
     """The probe's facts that must hold under `plan`."""
-    facts = ["fork_blocked", "inet_blocked", "unix_bind_blocked", "host_metadata_blocked",
+    return (["fork_blocked", "inet_blocked", "unix_bind_blocked", "host_metadata_blocked",
              "signals_blocked", "inotify_blocked", "locks_blocked", "stdin_read_only",
-             "not_dumpable", "epilogue_kept",
-             "workdir_writable", "no_new_privs", "capabilities_dropped", "seccomp_filter"]
-    if plan["landlock"]:
-        facts += ["host_dir_blocked", "host_file_blocked"]
-    if plan["mount"]:
-        facts.append("host_read_only")
-    return facts
+             "not_dumpable", "epilogue_kept", "workdir_writable", "no_new_privs",
+             "capabilities_dropped", "seccomp_filter"]
+            + ["host_dir_blocked", "host_file_blocked"] * bool(plan["landlock"])
+            + ["host_read_only"] * bool(plan["mount"]))

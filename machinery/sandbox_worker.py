@@ -1,18 +1,15 @@
-"""machinery/sandbox_worker.py: what runs in a sandbox worker: the zygote, and the child it forks
-per run.
+"""machinery/sandbox_worker.py: what a sandbox worker runs: the zygote, and the child it forks.
 
-The pool (sandbox_pool.Sandbox) starts each worker as `python -I -S sandbox_worker.py --worker
-CONFIG`: isolated and without `site`, so no .pth file of any site-packages directory runs; the
-installation's site-packages directories come in CONFIG. The pieces, in the order a run meets them:
+Sandbox._spawn starts each worker as `python -I -S sandbox_worker.py --worker CONFIG`: without
+`site`, so no .pth file runs (CONFIG names the site-packages directories). In a run's order:
 - _zygote_main: the worker. In a mount namespace of its own where it may, it opens the Python
   installation to the runs' uid if a closed directory hides it and shows them a /proc of their own
   processes only; it pre-imports, then forks one child per "fork" request (three pipe ends, the
   run's disk and CPU limits; no job data) with a socket of its own as fd 3, watches what the kernel
   does not bound for it (_overdrawn, charged to the run), and reports its exit status and fd 3.
-- _child: confines the forked child in the fixed order; _run_user_code runs the code like `python
-  -c`, its statements inside a guard (_guarded) that reports a failure on fd 3 first.
-- _walk: counts or removes a directory tree without recursion, one descriptor at a time.
-This file imports sandbox_linux and the standard library only; sandbox_pool imports it.
+- _child: confines the child in the fixed order; _run_user_code runs the code like `python -c`,
+  its statements inside a guard (_guarded) that reports a failure on fd 3 first.
+Imports sandbox_linux and the standard library only.
 """
 from __future__ import annotations
 
@@ -26,7 +23,6 @@ import gc
 import io
 import json
 import linecache
-import math
 import mmap
 import operator
 import os
@@ -56,7 +52,6 @@ MAX_OPEN_FILES = 256
 MAX_SIGNALS = 64
 # Seconds between two looks at a run whose disk or tasks the kernel does not bound.
 WATCH = 0.1
-OOM_SCORE = 1000                   # every run is the OOM killer's first choice
 PREIMPORT = ("numpy", "numpy.random", "sympy")   # imported once per worker, if installed
 # Cheap stdlib modules model code (and the graders' prelude) use all the time.
 WARM_STDLIB = ("math cmath fractions decimal itertools functools collections heapq bisect random "
@@ -72,9 +67,8 @@ WARMUP = {
              "sp.simplify(sp.sin(x) ** 2 + sp.cos(x) ** 2)\n"
              "str(sp.integrate(x * sp.sin(x), x)); sp.diff(sp.exp(x), x); sp.Rational(1, 3) + 1\n"
              "sp.latex(x ** 2); sp.N(sp.pi, 10); sp.Matrix([[1, 2], [3, 4]]).det()"}
-THREAD_VARS = {name: "1" for name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS",
-                                      "MKL_NUM_THREADS", "NUMEXPR_NUM_THREADS",
-                                      "VECLIB_MAXIMUM_THREADS", "BLIS_NUM_THREADS")}
+THREAD_VARS = dict.fromkeys("OPENBLAS_NUM_THREADS OMP_NUM_THREADS MKL_NUM_THREADS "
+                            "NUMEXPR_NUM_THREADS VECLIB_MAXIMUM_THREADS BLIS_NUM_THREADS".split(), "1")
 _KEEP_ALIVE = []                   # the zygote's stdio and __main__: never finalized in a child
 _SETUP_FAILED = 125                # exit code of a child that could not confine itself
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -89,7 +83,7 @@ def _read_exactly(fd: int, size: int) -> bytes:
     return data
 
 
-def _child(zygote: dict, fds: list, address_space: int) -> None:
+def _child(zygote: dict, fds: list, address_space: int, cpu: int, disk: int) -> None:
     """In a freshly forked child: every layer in the fixed order, or exit 125 saying which."""
     step, plan, uid = "descriptors", zygote["plan"], zygote["uid"]
     try:
@@ -103,7 +97,7 @@ def _child(zygote: dict, fds: list, address_space: int) -> None:
         # stdin starts with the job: its length in 12 digits, then its JSON
         job = json.loads(_read_exactly(0, int(_read_exactly(0, 12))))
         step = "oom score"
-        set_oom_score(OOM_SCORE)
+        set_oom_score()
         step = "mount namespace"
         if plan["mount"]:
             enter_mount_namespace(zygote["dir"], job["disk_mb"], plan["mount"] == "user", uid)
@@ -111,16 +105,13 @@ def _child(zygote: dict, fds: list, address_space: int) -> None:
             os.chdir(zygote["dir"])
         step = "rlimits"
         memory = address_space + job["memory_mb"] * 2 ** 20   # on top of the warm interpreter
-        cpu = math.ceil(job["timeout"]) + 1
-        disk = int(job["disk_mb"] * 2 ** 20)
         # NPROC counts this run alone (its uid's, its user namespace's), or the owner's uid.
         nproc = MAX_TASKS + (_tasks_of(os.getuid()) - 1 if plan["nproc"] == "owner" else 0)
-        nproc = (("NPROC", nproc, nproc),) * bool(plan["nproc"])
         # The CPU limit sends SIGXCPU at the soft one, SIGKILL a second later at the hard one.
-        limits = (("AS", memory, memory), ("CPU", cpu, cpu + 1), ("FSIZE", disk, disk),
-                  ("NOFILE", MAX_OPEN_FILES, MAX_OPEN_FILES), ("CORE", 0, 0),
-                  ("MSGQUEUE", 0, 0), ("SIGPENDING", MAX_SIGNALS, MAX_SIGNALS)) + nproc
-        for which, soft, hard in limits:
+        limits = [("AS", memory, memory), ("CPU", cpu, cpu + 1), ("FSIZE", disk, disk),
+                  ("NOFILE", MAX_OPEN_FILES, MAX_OPEN_FILES), ("CORE", 0, 0), ("MSGQUEUE", 0, 0),
+                  ("SIGPENDING", MAX_SIGNALS, MAX_SIGNALS)]
+        for which, soft, hard in limits + [("NPROC", nproc, nproc)] * bool(plan["nproc"]):
             resource.setrlimit(getattr(resource, "RLIMIT_" + which), (soft, hard))
         step = "no_new_privs"
         prctl(PR_SET_NO_NEW_PRIVS, 1)
@@ -299,10 +290,9 @@ def _zygote_main(config: dict) -> None:
     child = disk = cpu_limit = over = stopped = None
     looked = watched = 0.0
     try:
-        preimported = [m for m in imported if m in config["preimport"]]
-        threads = len(os.listdir("/proc/self/task"))
-        sock.send(json.dumps({"op": "hello", "preimported": preimported,
-                              "threads": threads}).encode())
+        sock.send(json.dumps({"op": "hello", "threads": len(os.listdir("/proc/self/task")),
+                              "preimported": [m for m in imported if m in config["preimport"]]
+                              }).encode())
         while True:
             watching = child and plan["watch"] and not stopped
             ready = select.select([sock, wake], [], [], WATCH if watching else None)[0]
@@ -351,8 +341,8 @@ def _zygote_main(config: dict) -> None:
                     # it) of ours, read when the run ends (none in flight: cheap to close).
                     report, theirs = (end.detach() for end in socket.socketpair())
                     looked, watched = time.monotonic(), 0.0
-                    if (child := os.fork()) == 0:
-                        _child(zygote, fds + [theirs], address_space)     # never returns
+                    if (child := os.fork()) == 0:      # the child: _child never returns
+                        _child(zygote, fds + [theirs], address_space, cpu_limit, disk)
                     os.close(theirs)
                     sock.send(json.dumps({"op": "forked", "pid": child, "rss": rss}).encode())
                 elif request["op"] == "kill" and request["pid"] == child:
@@ -379,12 +369,8 @@ def _zygote_main(config: dict) -> None:
 def _overdrawn(pid: int, directory: str, disk: int, watch: list) -> str | None:
     """What a run the kernel does not bound went over, if anything (looked at every WATCH s, by
     the zygote, whose time looking counts as the run's)."""
-    if "tasks" in watch:
-        with contextlib.suppress(OSError, IndexError, ValueError):
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()   # those after the command name
-            if (tasks := int(fields[17])) > MAX_TASKS:      # num_threads
-                return f"{tasks} tasks, over its {MAX_TASKS}"
+    if "tasks" in watch and (fields := _stat(pid)) and int(fields[17]) > MAX_TASKS:  # num_threads
+        return f"{fields[17]} tasks, over its {MAX_TASKS}"
     return _too_much(*_walk(directory), disk) if "disk" in watch else None
 
 
@@ -395,13 +381,18 @@ def _too_much(files: int, size: int, disk: int) -> str | None:
     return None
 
 
+def _stat(pid: int) -> list:
+    """The fields of /proc/<pid>/stat after the command name (no ptrace rights needed); [] once
+    the process is gone."""
+    with contextlib.suppress(OSError, IndexError), open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()
+    return []
+
+
 def cpu_time(pid: int) -> float:
-    """CPU seconds of all of `pid`'s tasks, from /proc/<pid>/stat (no ptrace rights needed)."""
-    with contextlib.suppress(OSError, IndexError, ValueError):
-        with open(f"/proc/{pid}/stat") as f:
-            utime, stime = f.read().rsplit(")", 1)[1].split()[11:13]
-        return (int(utime) + int(stime)) / os.sysconf("SC_CLK_TCK")
-    return 0.0
+    """CPU seconds of all of `pid`'s tasks."""
+    fields = _stat(pid)
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK") if fields else 0.0
 
 
 def _fresh(directory: str, uid: int | None) -> None:
@@ -414,11 +405,11 @@ def _fresh(directory: str, uid: int | None) -> None:
         os.chown(directory, uid, uid)
 
 
-def _walk(top: str, remove: bool = False, limit: int = MAX_FILES) -> tuple:
+def _walk(top: str, remove: bool = False) -> tuple:
     """(entries, bytes) below directory `top`, depth-first without recursion and through one
     descriptor at a time, going up by ".." checked against the directory it came from: no depth
     raises RecursionError or runs out of descriptors, and no path grows with it. Counting stops
-    past `limit` entries. `remove`: everything below `top` is removed on the way. A directory
+    past MAX_FILES entries. `remove`: everything below `top` is removed on the way. A directory
     closed by its owner (mode 0) is opened up first."""
     entries = size = 0
 
@@ -435,7 +426,7 @@ def _walk(top: str, remove: bool = False, limit: int = MAX_FILES) -> tuple:
                 elif remove:
                     with contextlib.suppress(OSError):
                         os.unlink(entry.name, dir_fd=fd)
-                if entries > limit and not remove:
+                if entries > MAX_FILES and not remove:
                     break
         return subdirs
 
@@ -446,7 +437,7 @@ def _walk(top: str, remove: bool = False, limit: int = MAX_FILES) -> tuple:
     above, todo = [], scan(fd)         # above: (device, inode, subdirs left, name) per level
     try:
         while True:
-            if todo and (remove or entries <= limit):
+            if todo and (remove or entries <= MAX_FILES):
                 name = todo.pop()
                 try:
                     child = _open_dir(name, fd)
