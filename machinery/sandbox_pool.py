@@ -1,13 +1,11 @@
-"""machinery/sandbox_pool.py: the warm pool behind sandbox.py, and its verdicts (the workers run
-sandbox_worker.py; docs/SANDBOX.md has the reasoning). Never imports sandbox.py.
-- Sandbox: one thread per worker in the calling process, which it makes not dumpable. It writes
-  each run's job and stdin, reads and caps its output (_Capture), keeps its deadline (the timeout,
-  moved by what its main thread waited for a CPU, up to BACKSTOP times), and gives the verdict
-  (_verdict) from kernel facts, never from what the run wrote.
-- grants() and _layers(): what this machine grants of the optional LAYERS (once per process) and
-  the plan the workers follow, among it the uid each worker's runs get; each worker's first run
-  (_PROBE) checks from inside that the plan holds (_expected).
-"""
+"""machinery/sandbox_pool.py: the warm pool behind sandbox.py and its verdicts (docs/SANDBOX.md
+has the reasoning). Sandbox runs one thread per worker in the calling process, which it makes not
+dumpable: it writes each run's job and stdin, caps its output (_Capture), keeps its deadline (the
+timeout, moved by what its main thread waited for a CPU, up to BACKSTOP times) and gives the
+verdict (_verdict) from kernel facts, never from what the run wrote. grants() and _layers(): what
+this machine grants of the optional LAYERS, and the plan the workers follow (among it each worker's
+uid); each worker's first run (_PROBE) checks from inside that the plan holds. Never imports
+sandbox.py."""
 from __future__ import annotations
 
 import atexit
@@ -89,10 +87,9 @@ class _Capture:
 
 
 def _verdict(job: dict, exit_info: dict, failure: bytes, base_rss: int, timed_out: bool) -> tuple:
-    """(status, returncode) of a finished run, from what the kernel and the pool saw: exit status,
-    CPU time, peak memory, the deadline. "ok" is exit status 0 with nothing on fd 3, where the
-    run's guard reports a failure of its code (`failure`: the last byte the zygote read there);
-    what the run wrote there can only make it a failure (M: of memory); nothing it prints counts."""
+    """(status, returncode) of a finished run from kernel facts: exit status, CPU time, peak memory,
+    the deadline. "ok" is exit status 0 with nothing on fd 3, where the run's guard reports a
+    failure (`failure`: the last byte there; M: of memory); nothing the run prints counts."""
     code = os.waitstatus_to_exitcode(exit_info["status"])     # -signal when a signal ended it
     # The CPU rlimit's SIGXCPU, then SIGKILL, come only once the CPU time is spent.
     if timed_out or exit_info["cpu"] >= math.ceil(job["timeout"]) + 0.95:
@@ -131,9 +128,8 @@ def _receive(sock: socket.socket, timeout: float) -> dict | None:
 
 
 def _environment(directory: str) -> dict:
-    """A worker's environment is its runs': a fixed list, nothing of ours (no token, key or
-    secret), plus a cap on glibc malloc arenas, whose 64 MiB reservations per thread eat the
-    address-space limit."""
+    """A worker's environment, its runs': a fixed list, nothing of ours (no token, key or secret);
+    few glibc malloc arenas, whose 64 MiB reservations per thread eat the address-space limit."""
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": directory, "TMPDIR": directory,
            "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "TZ": "UTC", "PYTHONIOENCODING": "utf-8",
            "MPLBACKEND": "Agg", "USER": "sandbox", **THREAD_VARS, "MALLOC_ARENA_MAX": "2"}
@@ -182,10 +178,8 @@ def _layers(found: dict) -> tuple:
     nproc_userns = not cgroup and not nproc_uid and uid["why"] and not user["why"] and user["nproc"]
     # Else, keeping a uid other than 0: that uid's task count at each run, plus the run's share.
     nproc_owner = not (cgroup or nproc_userns or not uid["why"] or os.geteuid() == 0)
-    if uid["why"] and (nproc_userns or (root["why"] and not user["why"])):
-        mount = "user"
-    else:
-        mount = None if root["why"] else "root"
+    mount = ("user" if uid["why"] and (nproc_userns or (root["why"] and not user["why"]))
+             else None if root["why"] else "root")
     tasks = (cgroup and f"pids cgroup {cgroup[1]}"
              or nproc_uid and "RLIMIT_NPROC of the run's uid"
              or nproc_userns and "RLIMIT_NPROC in a user namespace"
@@ -238,8 +232,7 @@ _slots = itertools.count()      # worker slots of this process's pools: their ru
 
 
 def default_workers() -> int:
-    """This rank's share of the machine: its cores over the ranks on this node (torchrun's
-    LOCAL_WORLD_SIZE)."""
+    """This rank's share of the cores: over the ranks on this node (torchrun's LOCAL_WORLD_SIZE)."""
     ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or 1))
     return max(1, available_cores() // ranks)
 
@@ -247,11 +240,10 @@ def default_workers() -> int:
 # ---------------------------------------------------------------- the pool
 
 class Sandbox:
-    """A warm pool of sandbox workers, one run per worker at a time, one pool thread per
-    worker feeding and watching it. Thread-safe; use one per process (the module-level
-    functions share a default one). Futures resolve on pool threads: callbacks must not block.
-    require: see required(); by default a run sees only its own directory and the Python
-    installation (Landlock), else the pool refuses to start, saying why."""
+    """A warm pool of workers, one run per worker at a time, one pool thread per worker feeding and
+    watching it. Thread-safe; use one per process. Futures resolve on pool threads: callbacks must
+    not block. require: see required(); by default a run sees only its own directory and the
+    Python installation (Landlock), else the pool refuses to start, saying why."""
 
     def __init__(self, workers: int | None = None, preimport=PREIMPORT, require: str = "default"):
         if missing := missing_layer():
@@ -341,8 +333,8 @@ class Sandbox:
         future.set_result(result or lost)
 
     def _start_worker(self, index: int) -> bool:
-        """A fresh worker in slot `index`; its first run is the probe, checked here. False when
-        it died or said nothing; a probe that finds a layer not in force stops the pool."""
+        """A fresh worker in slot `index`, its first run the probe; False when it died or said
+        nothing. A probe that finds a layer not in force stops the pool."""
         if self._workers[index] is not None:
             self._retire(self._workers[index])
         if self._closed:
@@ -502,9 +494,9 @@ class Sandbox:
         return futures
 
     def _fail(self, message: str, lasting: bool = True) -> bool:
-        """Fail the queued jobs with `message`; a lasting failure also stops the pool (a probe that
-        found a layer not in force), a passing one only once every slot failed to start a worker
-        three times in a row and none is ready to take them."""
+        """Fail the queued jobs with `message`: a lasting failure (a layer not in force) stops the
+        pool; a passing one acts only once every slot failed to start 3 times running and none
+        is ready."""
         with self._lock:
             if not lasting:
                 serving = any(w and w.ready and not w.dead for w in self._workers)
@@ -546,8 +538,7 @@ class Sandbox:
         return [f.result() for f in futures]
 
     def wait_ready(self, timeout: float = 120.0) -> str:
-        """Wait for the first worker's probe; the line of layers in force, or RuntimeError saying
-        why no worker started (the pool's own message)."""
+        """Wait for the first worker's probe: the line of layers in force, or RuntimeError why."""
         self._ready.wait(timeout)
         if self._probe is None:
             raise RuntimeError(self._broken or self._trouble
@@ -622,8 +613,7 @@ def tasks(count=1):
     return count
 print(json.dumps({{"fork_blocked": refused(os.fork), "inet_blocked": refused(socket.socket),
     "unix_bind_blocked": refused(socket.socketpair()[0].bind, "\0sandbox-probe"),
-    "host_dir_blocked": refused(os.listdir, "/"),
-    "host_file_blocked": refused(open, {host_file!r}),
+    "host_dir_blocked": refused(os.listdir, "/"), "host_file_blocked": refused(open, {host_file!r}),
     "host_metadata_blocked": refused(os.utime, ".."), "signals_blocked": refused(os.kill, 1, 0),
     "inotify_blocked": libc.inotify_init1(0) < 0,
     "locks_blocked": refused(fcntl.flock, 0, fcntl.LOCK_SH),
@@ -633,8 +623,7 @@ print(json.dumps({{"fork_blocked": refused(os.fork), "inet_blocked": refused(soc
     "no_new_privs": libc.prctl(39, 0, 0, 0, 0) == 1,
     "capabilities_dropped": not any(caps), "seccomp_filter": libc.prctl(21, 0, 0, 0, 0) == 2,
     "not_dumpable": libc.prctl(3, 0, 0, 0, 0) == 0, "epilogue_kept": refused(os.close, 3),
-    "uid": os.getuid(),
-    "workdir_bytes": os.statvfs(".").f_blocks * os.statvfs(".").f_frsize,
+    "uid": os.getuid(), "workdir_bytes": os.statvfs(".").f_blocks * os.statvfs(".").f_frsize,
     "rlimits": {{k: resource.getrlimit(getattr(resource, "RLIMIT_" + k))[1]
                 for k in ("AS", "CPU", "FSIZE", "NOFILE")}},
     "tasks": {count} and tasks() or None}}))
