@@ -78,10 +78,9 @@ _CLONE_THREAD, _CLONE_NEW = 0x00010000, 0x7E020080   # NEW{NS,CGROUP,UTS,IPC,USE
 _CLONE_NEWNS, _CLONE_NEWUSER = 0x00020000, 0x10000000
 _MS_BIND, _MS_REC, _MS_PRIVATE = 0x1000, 0x4000, 0x40000
 _OWN, _GROUP = "own", "group"      # the run's pid and -pid, filled in by each child
-# fcntl: record locks, OFD locks, leases (a lock or lease on a readable host file holds up the
-# host's own opens and locks), F_NOTIFY (dnotify on host directories), F_SETOWN/F_SETSIG (signals
-# to any process of the uid), F_SETPIPE_SZ (pipe pages count against a quota the uid shares with
-# the host).
+# fcntl: record and OFD locks, leases (on a readable host file they hold up the host's own opens
+# and locks), F_NOTIFY (dnotify on host directories), F_SETOWN/F_SETSIG (signals to any process of
+# the uid), F_SETPIPE_SZ (pipe pages count against a quota the uid shares with the host).
 _FCNTL_REFUSED = (6, 7, 8, 10, 15, 37, 38, 1024, 1026, 1031)
 # FIOSETOWN, SIOCSPGRP (the same owner as F_SETOWN); FS_IOC_SETFLAGS (64- and 32-bit) and
 # FS_IOC_FSSETXATTR: inode flags (chattr) on files the run's uid owns.
@@ -259,11 +258,10 @@ def closed_above(paths: list) -> list:
 
 
 def worker_namespace(closed: list, keep: list, hide: bool) -> bool:
-    """A mount namespace of this process's own (it needs CAP_SYS_ADMIN) where the `keep` paths
-    below each `closed` directory are reachable by any uid: a tmpfs (0755) over the closed
-    directory holds just those paths, bind-mounted back at their places. `hide`: /proc becomes a
-    fresh instance with hidepid=invisible, where a process sees the /proc/<pid> of no process it
-    may not ptrace (another uid's, or one not dumpable); whether that was done."""
+    """A mount namespace of our own (needs CAP_SYS_ADMIN) where the `keep` paths below each
+    `closed` directory are reachable by any uid: bind-mounted back on a tmpfs (0755) over it.
+    `hide`: a fresh /proc with hidepid=invisible, where a process sees the /proc/<pid> of no
+    process it may not ptrace (another uid's, or one not dumpable); whether that was done."""
     _check(_libc.unshare(_CLONE_NEWNS), "unshare(CLONE_NEWNS)")
     _check(_libc.mount(None, b"/", None, _MS_REC | _MS_PRIVATE, None), "mount(MS_PRIVATE)")
     umask = os.umask(0o022)
@@ -307,10 +305,10 @@ def become(uid: int) -> None:
 
 
 def drop_capabilities(last_cap: int, uid: int | None = None) -> None:
-    """Every capability gone for good: root's special treatment locked off (an exec could
-    not regain them), bounding and ambient sets emptied, then the rest. The first two need
-    CAP_SETPCAP; without any capability and with no_new_privs there is nothing to regain.
-    `uid`: become that user on the way, while CAP_SETUID and CAP_SETGID are still held."""
+    """Every capability gone for good: root's special treatment locked off (an exec could not
+    regain them), the bounding set emptied (both need CAP_SETPCAP: without it, with no_new_privs,
+    there is nothing to regain), then ambient and the rest. `uid`: become that user on the way,
+    while CAP_SETUID and CAP_SETGID are still held."""
     if has_capability(_CAP_SETPCAP):
         prctl(_PR_SET_SECUREBITS, 0xEF)   # NOROOT, NO_SETUID_FIXUP, NO_CAP_AMBIENT_RAISE + locks
         for cap in range(last_cap + 1):
@@ -336,10 +334,9 @@ def set_oom_score() -> None:
 
 
 def run_uid(slot: int) -> int:
-    """The uid of the runs of worker `slot` of this process's pools: one of 2**22 blocks of 256
-    above 2**30, from our pid and pid namespace and slot // 256 (our 257th slot starts a block of
-    its own, never one we had), so that no two live pools of one machine share a uid but by a
-    collision of blocks."""
+    """The uid of the runs of worker `slot` of our pools: one of 2**22 blocks of 256 above 2**30,
+    from our pid and pid namespace and slot // 256 (a 257th slot starts a block of its own), so no
+    two live pools of one machine share a uid but by a collision of blocks."""
     pid = os.getpid()
     with contextlib.suppress(OSError):
         pid += os.stat("/proc/self/ns/pid").st_ino * 2654435761
@@ -347,8 +344,8 @@ def run_uid(slot: int) -> int:
 
 
 def readable_paths() -> list:
-    """What a run may read: system libraries and the Python installation, no more (an
-    editable project install on sys.path, say, is left out on purpose)."""
+    """What a run may read: system libraries and the Python installation, no more (an editable
+    project install on sys.path, say, is left out on purpose)."""
     paths = ["/usr", "/lib", "/lib64", "/lib32", "/etc/ld.so.cache", "/etc/localtime",
              "/sys/devices/system/cpu", sysconfig.get_config_var("LIBDIR")]
     paths += [sysconfig.get_paths()[k] for k in ("stdlib", "purelib", "platlib")]
@@ -396,9 +393,9 @@ def available_cores() -> int:
 
 def missing_layer() -> str | None:
     """What this machine lacks of the floor: without it no run is confined at all."""
-    return (not sys.platform.startswith("linux") and "Linux") or \
-        (ARCH not in _SYSCALLS and f"a seccomp filter for {ARCH}") or \
-        (sys.version_info < (3, 11) and "Python 3.11 or later (a run's guard)") or None
+    return ((not sys.platform.startswith("linux") and "Linux")
+            or (ARCH not in _SYSCALLS and f"a seccomp filter for {ARCH}")
+            or (sys.version_info < (3, 11) and "Python 3.11 or later (a run's guard)") or None)
 
 
 def _refusal(exc: OSError, cap: int | None = None) -> str:
@@ -417,7 +414,7 @@ def _refusal(exc: OSError, cap: int | None = None) -> str:
 
 
 def _in_child(trial) -> dict:
-    """Run `trial()` (it returns a dict) in a forked child; if the child dies, that is the why."""
+    """`trial()`'s dict, run in a forked child; if the child dies, that is the why."""
     read, write = os.pipe()
     if (pid := os.fork()) == 0:
         try:
@@ -494,9 +491,8 @@ def _try_uid(uid: int) -> dict:
 
 
 def detect(uid: int) -> dict:
-    """Which optional layers this machine grants, each tried as a run uses it (`uid`: the uid a
-    run would get), and why not those it refuses. It forks: sandbox_pool.grants() runs it in a
-    fresh process (`python -I -S sandbox_linux.py UID`)."""
+    """Which optional layers this machine grants, each tried as a run uses it (`uid`: a run's),
+    and why not the others. It forks: sandbox_pool.grants() runs it in a fresh process."""
     found = {"landlock": 0, "landlock_why": None}
     try:
         found["landlock"] = _syscall(_NR_LANDLOCK_CREATE, 0, 0, 1, what="landlock_create_ruleset")

@@ -170,8 +170,7 @@ def required(require: str) -> set:
 
 def _layers(found: dict) -> tuple:
     """(plan the workers follow, what is in force, {layer: why not} of LAYERS) from grants()."""
-    root, user, cgroup = found["mount_root"], found["mount_user"], found["cgroup"]
-    uid = found["uid"]
+    root, user, uid, cgroup = (found[k] for k in ("mount_root", "mount_user", "uid", "cgroup"))
     # RLIMIT_NPROC counts only a run's tasks under a uid of its own, or in a user namespace of its
     # own (where the run keeps the pool's uid).
     nproc_uid = not cgroup and not uid["why"] and uid["nproc"]
@@ -205,8 +204,7 @@ def _layers(found: dict) -> tuple:
     else:
         off["landlock"] = found["landlock_why"]
     if mount:
-        where = " in a user namespace" if mount == "user" else ""
-        on.append(f"mount namespace{where} (tmpfs disk quota)")
+        on.append(f"mount namespace{' in a user namespace' * (mount == 'user')} (tmpfs disk quota)")
     else:
         off["mount"] = f"{root['why']}; in a user namespace: {user['why']}"
     if tasks:
