@@ -20,7 +20,7 @@ import sysconfig
 import tempfile
 
 MAX_FILES = 4096                   # inodes in a run's tmpfs, files in its polled working directory
-EPILOGUE_FD = 3                    # a run's pipe for how it failed; closing or replacing it refused
+EPILOGUE_FD = 3                    # a run's socket for how it failed; closing, replacing it refused
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long

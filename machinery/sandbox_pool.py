@@ -301,7 +301,6 @@ class Sandbox:
             while not (self._closed or self._broken):
                 worker = self._workers[index]
                 if worker is None or worker.dead or worker.proc.poll() is not None:
-                    # the slot's first worker, or it died
                     started = self._start_worker(index)
                     failures[index] = 0 if started else failures[index] + 1
                     if failures[index] >= 3:   # it may pass (memory, processes): wait, try again

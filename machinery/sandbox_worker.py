@@ -286,9 +286,9 @@ def _zygote_main(config: dict) -> None:
     child = disk = cpu_limit = over = stopped = None
     looked = watched = 0.0
     try:
-        sock.send(json.dumps({"op": "hello", "threads": len(os.listdir("/proc/self/task")),
-                              "preimported": [m for m in imported if m in config["preimport"]]
-                              }).encode())
+        hello = {"op": "hello", "preimported": [m for m in imported if m in config["preimport"]],
+                 "threads": len(os.listdir("/proc/self/task"))}
+        sock.send(json.dumps(hello).encode())
         while True:
             watching = child and plan["watch"] and not stopped
             ready = select.select([sock, wake], [], [], WATCH if watching else None)[0]
