@@ -25,10 +25,9 @@ thread waited for a CPU while it used less CPU than that, up to a backstop), cap
 stderr, and gives "ok" for exit status 0 with no failure reported on the run's fd 3 (by a guard
 around the code, before anything of the run's own can run again), never for what it printed.
 
-This file is the front. The machinery is in machinery/: sandbox_pool.py (the pool `Sandbox` and its
-verdicts), sandbox_worker.py (the zygote and the child, which the workers run) and sandbox_linux.py
-(the kernel calls, and what this machine grants). docs/SANDBOX.md says why each layer, what each
-guards and what is lost without it.
+This file is the front; machinery/ holds sandbox_pool.py (the pool `Sandbox`, its verdicts),
+sandbox_worker.py (the zygote and the child) and sandbox_linux.py (the kernel calls, what this
+machine grants). docs/SANDBOX.md: why each layer, what it guards, what is lost without it.
 """
 from __future__ import annotations
 
@@ -94,11 +93,10 @@ def format_tool_output(result: Result, max_chars: int = 256) -> str:
         return note[:max_chars]
     if len(text) > budget:
         room = budget - len("\n...\n")
-        head, tail = (room + 1) // 2, room // 2
         if room <= 0:
             text = text[:budget]
         else:
-            text = text[:head] + "\n...\n" + (text[-tail:] if tail else "")
+            text = text[:(room + 1) // 2] + "\n...\n" + text[len(text) - room // 2:]
     return text + note
 
 

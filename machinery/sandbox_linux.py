@@ -1,10 +1,8 @@
-"""machinery/sandbox_linux.py: the Linux calls a sandbox run locks itself down with, through ctypes
-(stdlib only): a seccomp BPF program assembled here, a Landlock ruleset, a private mount namespace
-(host read-only, a tmpfs quota; through a user namespace of its own when not root), a uid of the
-run's own, every capability dropped, a pids cgroup. The floor (seccomp, rlimits, no capabilities)
-runs anywhere; detect() finds out once, in a fresh process, which further layers this machine grants
-and, for each it refuses, who refused it. sandbox_worker._child applies them in the order
-sandbox.py's docstring gives. """
+"""machinery/sandbox_linux.py: the Linux calls a sandbox run locks itself down with, via ctypes
+(stdlib only): seccomp BPF assembled here, Landlock, a private mount namespace (host read-only, a
+tmpfs quota; through a user namespace when not root), a uid of the run's own, no capabilities, a
+pids cgroup. detect() finds out once, in a fresh process, which layers beyond the floor this machine
+grants, and who refused the others. sandbox_worker._child applies them in sandbox.py's order."""
 import contextlib
 import ctypes
 import errno
@@ -22,7 +20,7 @@ import sysconfig
 import tempfile
 
 MAX_FILES = 4096                   # inodes in a run's tmpfs, files in its polled working directory
-EPILOGUE_FD = 3                    # a run's pipe for how it failed; closing or replacing it refused
+EPILOGUE_FD = 3                    # a run's socket for how it failed; closing, replacing it refused
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
@@ -80,10 +78,9 @@ _CLONE_THREAD, _CLONE_NEW = 0x00010000, 0x7E020080   # NEW{NS,CGROUP,UTS,IPC,USE
 _CLONE_NEWNS, _CLONE_NEWUSER = 0x00020000, 0x10000000
 _MS_BIND, _MS_REC, _MS_PRIVATE = 0x1000, 0x4000, 0x40000
 _OWN, _GROUP = "own", "group"      # the run's pid and -pid, filled in by each child
-# fcntl: record locks, OFD locks, leases (a lock or lease on a readable host file holds up the
-# host's own opens and locks), F_NOTIFY (dnotify on host directories), F_SETOWN/F_SETSIG (signals
-# to any process of the uid), F_SETPIPE_SZ (pipe pages count against a quota the uid shares with
-# the host).
+# fcntl: record and OFD locks, leases (on a readable host file they hold up the host's own opens
+# and locks), F_NOTIFY (dnotify on host directories), F_SETOWN/F_SETSIG (signals to any process of
+# the uid), F_SETPIPE_SZ (pipe pages count against a quota the uid shares with the host).
 _FCNTL_REFUSED = (6, 7, 8, 10, 15, 37, 38, 1024, 1026, 1031)
 # FIOSETOWN, SIOCSPGRP (the same owner as F_SETOWN); FS_IOC_SETFLAGS (64- and 32-bit) and
 # FS_IOC_FSSETXATTR: inode flags (chattr) on files the run's uid owns.
@@ -129,6 +126,9 @@ def seccomp_filter(no_mount: bool) -> list:
         jumps = [(_JEQ, len(values) - i, 0, v) for i, v in enumerate(values)]
         return [arg(index), *jumps, *outcomes]
 
+    def never(index, *values):  # refused when arg `index` is in `values`
+        return only(index, *values, outcomes=(allow, deny))
+
     def no_tmpfile(index):      # O_TMPFILE: a file no directory holds, so none is counted
         return [arg(index), (_AND, 0, 0, _O_TMPFILE), (_JEQ, 1, 0, 0), unsupported, allow]
 
@@ -139,17 +139,16 @@ def seccomp_filter(no_mount: bool) -> list:
              "socketpair": [arg(0), (_JEQ, 1, 0, socket.AF_UNIX), deny, arg(1), (_AND, 0, 0, 0xF),
                             (_JEQ, 1, 0, socket.SOCK_STREAM), deny, allow],
              "kill": only(0, 0, _OWN, _GROUP),
+             **dict.fromkeys(("tgkill", "rt_sigqueueinfo", "rt_tgsigqueueinfo"), only(0, _OWN)),
+             **dict.fromkeys(("prlimit64", "sched_setaffinity", "sched_setscheduler",
+                              "sched_setparam", "sched_setattr"), only(0, 0, _OWN)),
              # Clearing the parent-death signal would let a sleeping run outlive its worker; a
              # dumpable run could lower its oom_score_adj; a filter of its own could hide calls.
-             "prctl": only(0, PR_SET_PDEATHSIG, PR_SET_DUMPABLE, _PR_SET_SECCOMP,
-                           outcomes=(allow, deny)),
-             "fcntl": only(1, *_FCNTL_REFUSED, outcomes=(allow, deny)),
-             "ioctl": only(1, *_IOCTL_REFUSED, outcomes=(allow, deny)),
-             # The failure report's descriptor stays the pool's socket for the whole run.
-             "close": only(0, EPILOGUE_FD, outcomes=(allow, deny)),
-             "shutdown": only(0, EPILOGUE_FD, outcomes=(allow, deny)),
-             "dup2": only(1, EPILOGUE_FD, outcomes=(allow, deny)),
-             "dup3": only(1, EPILOGUE_FD, outcomes=(allow, deny)),
+             "prctl": never(0, PR_SET_PDEATHSIG, PR_SET_DUMPABLE, _PR_SET_SECCOMP),
+             "fcntl": never(1, *_FCNTL_REFUSED), "ioctl": never(1, *_IOCTL_REFUSED),
+             # The failure report's descriptor stays the zygote's socket for the whole run.
+             "close": never(0, EPILOGUE_FD), "shutdown": never(0, EPILOGUE_FD),
+             "dup2": never(1, EPILOGUE_FD), "dup3": never(1, EPILOGUE_FD),
              "close_range": [arg(0), (_JGE, 3, 0, EPILOGUE_FD + 1), arg(1),
                              (_JGE, 0, 1, EPILOGUE_FD), deny, allow],
              "open": no_tmpfile(1), "openat": no_tmpfile(2), "fallocate": [unsupported],
@@ -157,11 +156,6 @@ def seccomp_filter(no_mount: bool) -> list:
              # Removing does nothing, and says it did: what a run wrote stays in its directory,
              # counted, until the worker removes it after the run (tempfile's cleanup works).
              **dict.fromkeys(("unlink", "unlinkat", "rmdir"), [(_RET, 0, 0, _ERRNO | 0)])}
-    rules.update({name: only(0, _OWN) for name in ("tgkill", "rt_sigqueueinfo",
-                                                   "rt_tgsigqueueinfo")})
-    rules.update({name: only(0, 0, _OWN) for name in ("prlimit64", "sched_setaffinity",
-                                                      "sched_setscheduler", "sched_setparam",
-                                                      "sched_setattr")})
     for name, number in _SYSCALLS[ARCH].items():
         if no_mount or name not in METADATA | _DISK:
             block = rules.get(name, [deny])
@@ -224,11 +218,10 @@ class Landlock:
 
 def enter_mount_namespace(workdir: str, disk_mb: float, userns: bool,
                           owner: int | None = None) -> None:
-    """Every mount read-only, nosuid and private (a shared "/" would propagate our tmpfs to
-    the host) in one recursive mount_setattr, then a fresh tmpfs on the working directory,
-    owned by uid and gid `owner` if given. `userns`: first a user namespace of our own (uid and
-    gid mapped to themselves), in which we may mount without privileges on the host, and where
-    RLIMIT_NPROC counts only this run."""
+    """Every mount read-only, nosuid and private (a shared "/" would propagate our tmpfs to the
+    host) in one recursive mount_setattr, then a fresh tmpfs on `workdir`, owned by `owner` if
+    given. `userns`: first a user namespace of our own (ids mapped to themselves), where we may
+    mount unprivileged and RLIMIT_NPROC counts only this run."""
     if userns:
         uid, gid = os.geteuid(), os.getegid()
         _check(_libc.unshare(_CLONE_NEWUSER | _CLONE_NEWNS), "unshare(CLONE_NEWUSER|CLONE_NEWNS)")
@@ -243,9 +236,8 @@ def enter_mount_namespace(workdir: str, disk_mb: float, userns: bool,
     attr = ctypes.create_string_buffer(struct.pack("QQQQ", 1 | 2, 0, 1 << 18, 0), 32)
     _syscall(_SYSCALLS[ARCH]["mount_setattr"], -100, ctypes.create_string_buffer(b"/"), 0x8000,
              attr, 32, what="mount_setattr")                           # AT_FDCWD, AT_RECURSIVE
-    options = f"size={int(disk_mb * 2 ** 20)},nr_inodes={MAX_FILES},mode=0700"
-    if owner is not None:
-        options += f",uid={owner},gid={owner}"
+    options = f"size={int(disk_mb * 2 ** 20)},nr_inodes={MAX_FILES},mode=0700" + (
+        f",uid={owner},gid={owner}" if owner is not None else "")
     _check(_libc.mount(b"sandbox", workdir.encode(), b"tmpfs", 2 | 4 | 8, options.encode()),
            "mount(tmpfs)")
     os.chdir(workdir)                                          # into the tmpfs, not beneath it
@@ -253,7 +245,7 @@ def enter_mount_namespace(workdir: str, disk_mb: float, userns: bool,
 
 def closed_above(paths: list) -> list:
     """The topmost directories above `paths` that other users may not enter (pyenv's Python
-    under a 0700 /root): what expose() opens."""
+    under a 0700 /root): what worker_namespace() opens."""
     found = set()
     for path in paths:
         parts = path.split("/")
@@ -266,11 +258,10 @@ def closed_above(paths: list) -> list:
 
 
 def worker_namespace(closed: list, keep: list, hide: bool) -> bool:
-    """A mount namespace of this process's own (it needs CAP_SYS_ADMIN) where the `keep` paths
-    below each `closed` directory are reachable by any uid: a tmpfs (0755) over the closed
-    directory holds just those paths, bind-mounted back at their places. `hide`: /proc becomes a
-    fresh instance with hidepid=invisible, where a process sees the /proc/<pid> of no process it
-    may not ptrace (another uid's, or one not dumpable); whether that was done."""
+    """A mount namespace of our own (needs CAP_SYS_ADMIN) where the `keep` paths below each
+    `closed` directory are reachable by any uid: bind-mounted back on a tmpfs (0755) over it.
+    `hide`: a fresh /proc with hidepid=invisible, where a process sees the /proc/<pid> of no
+    process it may not ptrace (another uid's, or one not dumpable); whether that was done."""
     _check(_libc.unshare(_CLONE_NEWNS), "unshare(CLONE_NEWNS)")
     _check(_libc.mount(None, b"/", None, _MS_REC | _MS_PRIVATE, None), "mount(MS_PRIVATE)")
     umask = os.umask(0o022)
@@ -306,20 +297,18 @@ def has_capability(cap: int) -> bool:
 
 def become(uid: int) -> None:
     """This process becomes uid and gid `uid`, with no supplementary groups."""
-    for name, call in (("setgroups", lambda: os.setgroups([])),
-                       ("setresgid", lambda: os.setresgid(uid, uid, uid)),
-                       ("setresuid", lambda: os.setresuid(uid, uid, uid))):
+    for call, args in ((os.setgroups, [[]]), (os.setresgid, [uid] * 3), (os.setresuid, [uid] * 3)):
         try:
-            call()
+            call(*args)
         except OSError as exc:
-            raise OSError(exc.errno, f"{name}: {errno.errorcode.get(exc.errno)}") from None
+            raise OSError(exc.errno, f"{call.__name__}: {errno.errorcode.get(exc.errno)}") from None
 
 
 def drop_capabilities(last_cap: int, uid: int | None = None) -> None:
-    """Every capability gone for good: root's special treatment locked off (an exec could
-    not regain them), bounding and ambient sets emptied, then the rest. The first two need
-    CAP_SETPCAP; without any capability and with no_new_privs there is nothing to regain.
-    `uid`: become that user on the way, while CAP_SETUID and CAP_SETGID are still held."""
+    """Every capability gone for good: root's special treatment locked off (an exec could not
+    regain them), the bounding set emptied (both need CAP_SETPCAP: without it, with no_new_privs,
+    there is nothing to regain), then ambient and the rest. `uid`: become that user on the way,
+    while CAP_SETUID and CAP_SETGID are still held."""
     if has_capability(_CAP_SETPCAP):
         prctl(_PR_SET_SECUREBITS, 0xEF)   # NOROOT, NO_SETUID_FIXUP, NO_CAP_AMBIENT_RAISE + locks
         for cap in range(last_cap + 1):
@@ -330,34 +319,33 @@ def drop_capabilities(last_cap: int, uid: int | None = None) -> None:
     _check(_libc.capset(struct.pack("Ii", 0x20080522, 0), bytes(24)), "capset")   # version 3
 
 
-def set_oom_score(value: int = 1000) -> None:
-    """This process is the OOM killer's first choice. With CAP_SYS_RESOURCE that is also the
+def set_oom_score() -> None:
+    """This process is the OOM killer's first choice (1000). With CAP_SYS_RESOURCE that is also the
     least it may set later; without, /proc/self is root's (not dumpable) once the run starts."""
     dumpable = prctl(3)                # PR_GET_DUMPABLE: a non-dumpable process's /proc is root's
     if not dumpable:
         prctl(PR_SET_DUMPABLE, 1)
     try:
         with open("/proc/self/oom_score_adj", "w") as f:
-            f.write(str(value))
+            f.write("1000")
     finally:
         if not dumpable:
             prctl(PR_SET_DUMPABLE, 0)
 
 
-def run_uid(slot: int, pid: int | None = None) -> int:
-    """The uid of the runs of worker `slot` of the pools owned by process `pid` (this one): one of
-    2**22 blocks of 256 above 2**30, from the owner's pid and pid namespace and slot // 256 (a
-    process's 257th slot starts a block of its own, never one it had), so that no two live pools
-    of one machine share a uid but by a collision of blocks."""
-    pid = pid or os.getpid()
+def run_uid(slot: int) -> int:
+    """The uid of the runs of worker `slot` of our pools: one of 2**22 blocks of 256 above 2**30,
+    from our pid and pid namespace and slot // 256 (a 257th slot starts a block of its own), so no
+    two live pools of one machine share a uid but by a collision of blocks."""
+    pid = os.getpid()
     with contextlib.suppress(OSError):
         pid += os.stat("/proc/self/ns/pid").st_ino * 2654435761
     return (1 << 30) + (pid + slot // 256 * 40503) % (1 << 22) * 256 + slot % 256
 
 
 def readable_paths() -> list:
-    """What a run may read: system libraries and the Python installation, no more (an
-    editable project install on sys.path, say, is left out on purpose)."""
+    """What a run may read: system libraries and the Python installation, no more (an editable
+    project install on sys.path, say, is left out on purpose)."""
     paths = ["/usr", "/lib", "/lib64", "/lib32", "/etc/ld.so.cache", "/etc/localtime",
              "/sys/devices/system/cpu", sysconfig.get_config_var("LIBDIR")]
     paths += [sysconfig.get_paths()[k] for k in ("stdlib", "purelib", "platlib")]
@@ -405,9 +393,9 @@ def available_cores() -> int:
 
 def missing_layer() -> str | None:
     """What this machine lacks of the floor: without it no run is confined at all."""
-    return (not sys.platform.startswith("linux") and "Linux") or \
-        (ARCH not in _SYSCALLS and f"a seccomp filter for {ARCH}") or \
-        (sys.version_info < (3, 11) and "Python 3.11 or later (a run's guard)") or None
+    return ((not sys.platform.startswith("linux") and "Linux")
+            or (ARCH not in _SYSCALLS and f"a seccomp filter for {ARCH}")
+            or (sys.version_info < (3, 11) and "Python 3.11 or later (a run's guard)") or None)
 
 
 def _refusal(exc: OSError, cap: int | None = None) -> str:
@@ -426,7 +414,7 @@ def _refusal(exc: OSError, cap: int | None = None) -> str:
 
 
 def _in_child(trial) -> dict:
-    """Run `trial()` (it returns a dict) in a forked child; if the child dies, that is the why."""
+    """`trial()`'s dict, run in a forked child; if the child dies, that is the why."""
     read, write = os.pipe()
     if (pid := os.fork()) == 0:
         try:
@@ -503,17 +491,15 @@ def _try_uid(uid: int) -> dict:
 
 
 def detect(uid: int) -> dict:
-    """Which optional layers this machine grants, each tried as a run uses it (`uid`: the uid a
-    run would get), and why not those it refuses. It forks: sandbox_pool.grants() runs it in a
-    fresh process (`python -I -S sandbox_linux.py UID`)."""
-    found = {"landlock": landlock_abi(), "landlock_why": None}
-    if not found["landlock"]:
-        try:
-            _syscall(_NR_LANDLOCK_CREATE, 0, 0, 1, what="landlock_create_ruleset")
-        except OSError as exc:
-            hint = {errno.ENOSYS: "; no Landlock in this kernel?",
-                    errno.EOPNOTSUPP: "; add landlock to lsm= at boot"}
-            found["landlock_why"] = _refusal(exc) + hint.get(exc.errno, "")
+    """Which optional layers this machine grants, each tried as a run uses it (`uid`: a run's),
+    and why not the others. It forks: sandbox_pool.grants() runs it in a fresh process."""
+    found = {"landlock": 0, "landlock_why": None}
+    try:
+        found["landlock"] = _syscall(_NR_LANDLOCK_CREATE, 0, 0, 1, what="landlock_create_ruleset")
+    except OSError as exc:
+        hint = {errno.ENOSYS: "; no Landlock in this kernel?",
+                errno.EOPNOTSUPP: "; add landlock to lsm= at boot"}
+        found["landlock_why"] = _refusal(exc) + hint.get(exc.errno, "")
     cgroup, version, found["cgroup_why"] = pids_cgroup()
     found["cgroup"] = cgroup and [cgroup, version]
     found["mount_root"], found["mount_user"] = _try_mount(False), _try_mount(True)

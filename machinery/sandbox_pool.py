@@ -1,17 +1,11 @@
-"""machinery/sandbox_pool.py: the machinery behind sandbox.py: the warm pool and the verdicts.
-
-sandbox.py is the front (what the rest of the project calls, and the method in brief); this file,
-with sandbox_worker.py (the zygote and the child, which the workers run) and sandbox_linux.py (the
-kernel calls a run locks itself down with), is how it is done (docs/SANDBOX.md has the reasoning):
-- Sandbox: the pool, one thread per worker in the calling process, which it makes not dumpable.
-  It writes each run's job and stdin, reads and caps its output (_Capture), keeps its deadline
-  (the timeout, moved by what its main thread waited for a CPU, up to BACKSTOP times), and
-  gives the verdict (_verdict) from kernel facts, never from what the run wrote.
-- grants() and _layers(): what this machine grants of the optional LAYERS (sandbox_linux.detect(),
-  once per process) and the plan the workers follow, among it the uid each worker's runs get;
-  _PROBE and _expected(): each worker's first run checks from inside that the plan holds.
-This file never imports sandbox.py.
-"""
+"""machinery/sandbox_pool.py: the warm pool behind sandbox.py and its verdicts (docs/SANDBOX.md
+has the reasoning). Sandbox runs one thread per worker in the calling process, which it makes not
+dumpable: it writes each run's job and stdin, caps its output (_Capture), keeps its deadline (the
+timeout, moved by what its main thread waited for a CPU, up to BACKSTOP times) and gives the
+verdict (_verdict) from kernel facts, never from what the run wrote. grants() and _layers(): what
+this machine grants of the optional LAYERS, and the plan the workers follow (among it each worker's
+uid); each worker's first run (_PROBE) checks from inside that the plan holds. Never imports
+sandbox.py."""
 from __future__ import annotations
 
 import atexit
@@ -93,10 +87,9 @@ class _Capture:
 
 
 def _verdict(job: dict, exit_info: dict, failure: bytes, base_rss: int, timed_out: bool) -> tuple:
-    """(status, returncode) of a finished run, from what the kernel and the pool saw: exit status,
-    CPU time, peak memory, the deadline. "ok" is exit status 0 with nothing on fd 3, where the
-    run's guard reports a failure of its code (`failure`: the last byte the zygote read there);
-    what the run wrote there can only make it a failure (M: of memory); nothing it prints counts."""
+    """(status, returncode) of a finished run from kernel facts: exit status, CPU time, peak memory,
+    the deadline. "ok" is exit status 0 with nothing on fd 3, where the run's guard reports a
+    failure (`failure`: the last byte there; M: of memory); nothing the run prints counts."""
     code = os.waitstatus_to_exitcode(exit_info["status"])     # -signal when a signal ended it
     # The CPU rlimit's SIGXCPU, then SIGKILL, come only once the CPU time is spent.
     if timed_out or exit_info["cpu"] >= math.ceil(job["timeout"]) + 0.95:
@@ -135,20 +128,14 @@ def _receive(sock: socket.socket, timeout: float) -> dict | None:
 
 
 def _environment(directory: str) -> dict:
-    """A worker's environment is its runs': a fixed list, nothing of ours (no token, key or
-    secret), plus a cap on glibc malloc arenas, whose 64 MiB reservations per thread eat the
-    address-space limit."""
+    """A worker's environment, its runs': a fixed list, nothing of ours (no token, key or secret);
+    few glibc malloc arenas, whose 64 MiB reservations per thread eat the address-space limit."""
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": directory, "TMPDIR": directory,
            "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "TZ": "UTC", "PYTHONIOENCODING": "utf-8",
            "MPLBACKEND": "Agg", "USER": "sandbox", **THREAD_VARS, "MALLOC_ARENA_MAX": "2"}
     if os.environ.get("LD_LIBRARY_PATH"):      # some Python builds need it to start
         env["LD_LIBRARY_PATH"] = os.environ["LD_LIBRARY_PATH"]
     return env
-
-
-def _site() -> list:
-    """The installation's site-packages directories, which workers (python -S) add themselves."""
-    return sorted({sysconfig.get_paths()[key] for key in ("purelib", "platlib")})
 
 
 @functools.lru_cache(maxsize=None)
@@ -183,25 +170,20 @@ def required(require: str) -> set:
 
 def _layers(found: dict) -> tuple:
     """(plan the workers follow, what is in force, {layer: why not} of LAYERS) from grants()."""
-    root, user, cgroup = found["mount_root"], found["mount_user"], found["cgroup"]
-    uid = found["uid"]
+    root, user, uid, cgroup = (found[k] for k in ("mount_root", "mount_user", "uid", "cgroup"))
     # RLIMIT_NPROC counts only a run's tasks under a uid of its own, or in a user namespace of its
     # own (where the run keeps the pool's uid).
     nproc_uid = not cgroup and not uid["why"] and uid["nproc"]
     nproc_userns = not cgroup and not nproc_uid and uid["why"] and not user["why"] and user["nproc"]
     # Else, keeping a uid other than 0: that uid's task count at each run, plus the run's share.
     nproc_owner = not (cgroup or nproc_userns or not uid["why"] or os.geteuid() == 0)
-    if uid["why"] and (nproc_userns or (root["why"] and not user["why"])):
-        mount = "user"
-    else:
-        mount = "root" if not root["why"] else None
-    if cgroup:
-        tasks = f"pids cgroup {cgroup[1]}"
-    else:
-        tasks = (nproc_uid and "RLIMIT_NPROC of the run's uid"
-                 or nproc_userns and "RLIMIT_NPROC in a user namespace"
-                 or nproc_owner and f"RLIMIT_NPROC of uid {os.geteuid()} (its tasks + {MAX_TASKS})"
-                 or None)
+    mount = ("user" if uid["why"] and (nproc_userns or (root["why"] and not user["why"]))
+             else None if root["why"] else "root")
+    tasks = (cgroup and f"pids cgroup {cgroup[1]}"
+             or nproc_uid and "RLIMIT_NPROC of the run's uid"
+             or nproc_userns and "RLIMIT_NPROC in a user namespace"
+             or nproc_owner and f"RLIMIT_NPROC of uid {os.geteuid()} (its tasks + {MAX_TASKS})"
+             or None)
     plan = {"landlock": found["landlock"], "mount": mount, "cgroup": cgroup and cgroup[0],
             "nproc": "owner" if nproc_owner else bool(nproc_uid or nproc_userns),
             "tasks": tasks or "polled by the worker",
@@ -222,8 +204,7 @@ def _layers(found: dict) -> tuple:
     else:
         off["landlock"] = found["landlock_why"]
     if mount:
-        where = " in a user namespace" if mount == "user" else ""
-        on.append(f"mount namespace{where} (tmpfs disk quota)")
+        on.append(f"mount namespace{' in a user namespace' * (mount == 'user')} (tmpfs disk quota)")
     else:
         off["mount"] = f"{root['why']}; in a user namespace: {user['why']}"
     if tasks:
@@ -249,8 +230,7 @@ _slots = itertools.count()      # worker slots of this process's pools: their ru
 
 
 def default_workers() -> int:
-    """This rank's share of the machine: its cores over the ranks on this node (torchrun's
-    LOCAL_WORLD_SIZE)."""
+    """This rank's share of the cores: over the ranks on this node (torchrun's LOCAL_WORLD_SIZE)."""
     ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or 1))
     return max(1, available_cores() // ranks)
 
@@ -258,11 +238,10 @@ def default_workers() -> int:
 # ---------------------------------------------------------------- the pool
 
 class Sandbox:
-    """A warm pool of sandbox workers, one run per worker at a time, one pool thread per
-    worker feeding and watching it. Thread-safe; use one per process (the module-level
-    functions share a default one). Futures resolve on pool threads: callbacks must not block.
-    require: see required(); by default a run sees only its own directory and the Python
-    installation (Landlock), else the pool refuses to start, saying why."""
+    """A warm pool of workers, one run per worker at a time, one pool thread per worker feeding and
+    watching it. Thread-safe; use one per process. Futures resolve on pool threads: callbacks must
+    not block. require: see required(); by default a run sees only its own directory and the
+    Python installation (Landlock), else the pool refuses to start, saying why."""
 
     def __init__(self, workers: int | None = None, preimport=PREIMPORT, require: str = "default"):
         if missing := missing_layer():
@@ -307,11 +286,9 @@ class Sandbox:
         self._trouble = None                       # why no worker is ready now
         self._closed, self._stop = False, threading.Event()
         self._generation = itertools.count(1)
-        self._workers = [None] * self.num_workers
-        self._failures = [0] * self.num_workers
+        self._workers, self._failures = [None] * self.num_workers, [0] * self.num_workers
         self._threads = [threading.Thread(target=self._serve, args=(i,), name=f"sandbox-{i}",
-                                          daemon=True)
-                         for i in range(self.num_workers)]
+                                          daemon=True) for i in range(self.num_workers)]
         for thread in self._threads:
             thread.start()
         atexit.register(self.close)
@@ -324,7 +301,6 @@ class Sandbox:
             while not (self._closed or self._broken):
                 worker = self._workers[index]
                 if worker is None or worker.dead or worker.proc.poll() is not None:
-                    # the slot's first worker, or it died
                     started = self._start_worker(index)
                     failures[index] = 0 if started else failures[index] + 1
                     if failures[index] >= 3:   # it may pass (memory, processes): wait, try again
@@ -354,8 +330,8 @@ class Sandbox:
         future.set_result(result or lost)
 
     def _start_worker(self, index: int) -> bool:
-        """A fresh worker in slot `index`; its first run is the probe, checked here. False when
-        it died or said nothing; a probe that finds a layer not in force stops the pool."""
+        """A fresh worker in slot `index`, its first run the probe; False when it died or said
+        nothing. A probe that finds a layer not in force stops the pool."""
         if self._workers[index] is not None:
             self._retire(self._workers[index])
         if self._closed:
@@ -402,8 +378,10 @@ class Sandbox:
             with open(cgroup + "/pids.max", "w") as f:
                 f.write(str(MAX_TASKS + 1))       # the idle zygote is the cgroup's one other task
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        config = {"fd": theirs.fileno(), "dir": directory, "cgroup": cgroup, "site": _site(),
-                  "preimport": self.preimport, "plan": self.plan, "uid": self.uids[index]}
+        config = {"fd": theirs.fileno(), "dir": directory, "cgroup": cgroup,
+                  "preimport": self.preimport, "plan": self.plan, "uid": self.uids[index],
+                  # the installation's site-packages directories: a worker (-S) adds them itself
+                  "site": sorted({sysconfig.get_paths()[k] for k in ("purelib", "platlib")})}
         command = [sys.executable, "-I", "-S", WORKER_FILE, "--worker", json.dumps(config)]
         proc = subprocess.Popen(command, pass_fds=[theirs.fileno()], env=_environment(directory),
                                 cwd=directory, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
@@ -493,8 +471,7 @@ class Sandbox:
                     # Time its main thread waited for a CPU is not up, while the run used less CPU
                     # than its timeout (its own threads taking turns spend it), to the backstop.
                     waited = _waited(pid) * (cpu_time(pid) < job["timeout"])
-                    moved = min(BACKSTOP, 1 + waited / job["timeout"])
-                    moved = start + moved * job["timeout"]
+                    moved = start + min(BACKSTOP, 1 + waited / job["timeout"]) * job["timeout"]
                     if moved > now + 0.005:
                         deadline = moved
                         continue
@@ -514,9 +491,9 @@ class Sandbox:
         return futures
 
     def _fail(self, message: str, lasting: bool = True) -> bool:
-        """Fail the queued jobs with `message`; a lasting failure also stops the pool (a probe that
-        found a layer not in force), a passing one only once every slot failed to start a worker
-        three times in a row and none is ready to take them."""
+        """Fail the queued jobs with `message`: a lasting failure (a layer not in force) stops the
+        pool; a passing one acts only once every slot failed to start 3 times running and none
+        is ready."""
         with self._lock:
             if not lasting:
                 serving = any(w and w.ready and not w.dead for w in self._workers)
@@ -558,8 +535,7 @@ class Sandbox:
         return [f.result() for f in futures]
 
     def wait_ready(self, timeout: float = 120.0) -> str:
-        """Wait for the first worker's probe; the line of layers in force, or RuntimeError saying
-        why no worker started (the pool's own message)."""
+        """Wait for the first worker's probe: the line of layers in force, or RuntimeError why."""
         self._ready.wait(timeout)
         if self._probe is None:
             raise RuntimeError(self._broken or self._trouble
@@ -634,8 +610,7 @@ def tasks(count=1):
     return count
 print(json.dumps({{"fork_blocked": refused(os.fork), "inet_blocked": refused(socket.socket),
     "unix_bind_blocked": refused(socket.socketpair()[0].bind, "\0sandbox-probe"),
-    "host_dir_blocked": refused(os.listdir, "/"),
-    "host_file_blocked": refused(open, {host_file!r}),
+    "host_dir_blocked": refused(os.listdir, "/"), "host_file_blocked": refused(open, {host_file!r}),
     "host_metadata_blocked": refused(os.utime, ".."), "signals_blocked": refused(os.kill, 1, 0),
     "inotify_blocked": libc.inotify_init1(0) < 0,
     "locks_blocked": refused(fcntl.flock, 0, fcntl.LOCK_SH),
@@ -645,8 +620,7 @@ print(json.dumps({{"fork_blocked": refused(os.fork), "inet_blocked": refused(soc
     "no_new_privs": libc.prctl(39, 0, 0, 0, 0) == 1,
     "capabilities_dropped": not any(caps), "seccomp_filter": libc.prctl(21, 0, 0, 0, 0) == 2,
     "not_dumpable": libc.prctl(3, 0, 0, 0, 0) == 0, "epilogue_kept": refused(os.close, 3),
-    "uid": os.getuid(),
-    "workdir_bytes": os.statvfs(".").f_blocks * os.statvfs(".").f_frsize,
+    "uid": os.getuid(), "workdir_bytes": os.statvfs(".").f_blocks * os.statvfs(".").f_frsize,
     "rlimits": {{k: resource.getrlimit(getattr(resource, "RLIMIT_" + k))[1]
                 for k in ("AS", "CPU", "FSIZE", "NOFILE")}},
     "tasks": {count} and tasks() or None}}))
@@ -655,12 +629,9 @@ print(json.dumps({{"fork_blocked": refused(os.fork), "inet_blocked": refused(soc
 
 def _expected(plan: dict) -> list:
     """The probe's facts that must hold under `plan`."""
-    facts = ["fork_blocked", "inet_blocked", "unix_bind_blocked", "host_metadata_blocked",
+    return (["fork_blocked", "inet_blocked", "unix_bind_blocked", "host_metadata_blocked",
              "signals_blocked", "inotify_blocked", "locks_blocked", "stdin_read_only",
-             "not_dumpable", "epilogue_kept",
-             "workdir_writable", "no_new_privs", "capabilities_dropped", "seccomp_filter"]
-    if plan["landlock"]:
-        facts += ["host_dir_blocked", "host_file_blocked"]
-    if plan["mount"]:
-        facts.append("host_read_only")
-    return facts
+             "not_dumpable", "epilogue_kept", "workdir_writable", "no_new_privs",
+             "capabilities_dropped", "seccomp_filter"]
+            + ["host_dir_blocked", "host_file_blocked"] * bool(plan["landlock"])
+            + ["host_read_only"] * bool(plan["mount"]))

@@ -1,19 +1,13 @@
-"""machinery/sandbox_worker.py: what runs in a sandbox worker: the zygote, and the child it forks
-per run.
-
-The pool (sandbox_pool.Sandbox) starts each worker as `python -I -S sandbox_worker.py --worker
-CONFIG`: isolated and without `site`, so no .pth file of any site-packages directory runs; the
-installation's site-packages directories come in CONFIG. The pieces, in the order a run meets them:
-- _zygote_main: the worker. In a mount namespace of its own where it may, it opens the Python
-  installation to the runs' uid if a closed directory hides it and shows them a /proc of their own
-  processes only; it pre-imports, then forks one child per "fork" request (three pipe ends, the
-  run's disk and CPU limits; no job data) with a socket of its own as fd 3, watches what the kernel
-  does not bound for it (_overdrawn, charged to the run), and reports its exit status and fd 3.
-- _child: confines the forked child in the fixed order; _run_user_code runs the code like `python
-  -c`, its statements inside a guard (_guarded) that reports a failure on fd 3 first.
-- _walk: counts or removes a directory tree without recursion, one descriptor at a time.
-This file imports sandbox_linux and the standard library only; sandbox_pool imports it.
-"""
+"""machinery/sandbox_worker.py: what a sandbox worker runs (`python -I -S sandbox_worker.py
+--worker CONFIG`; without `site`, so no .pth file runs), in a run's order:
+- _zygote_main: in a mount namespace of its own where it may, it opens the Python installation to
+  the runs' uid if a closed directory hides it and shows them a /proc of their own processes only;
+  it pre-imports, then forks one child per "fork" request (three pipe ends, the run's disk and CPU
+  limits; no job data) with a socket of its own as fd 3, watches what the kernel does not bound
+  (_overdrawn, charged to the run), and reports the exit status and fd 3.
+- _child: confines the child in the fixed order; _run_user_code runs the code like `python -c`,
+  its statements inside a guard (_guarded) that reports a failure on fd 3 first.
+Imports sandbox_linux and the standard library only."""
 from __future__ import annotations
 
 import ast
@@ -26,7 +20,6 @@ import gc
 import io
 import json
 import linecache
-import math
 import mmap
 import operator
 import os
@@ -45,24 +38,21 @@ if __name__ == "__main__":  # a worker runs under `python -I`: no project direct
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from machinery import sandbox_linux
 from machinery.sandbox_linux import (EPILOGUE_FD, MAX_FILES, PR_SET_CHILD_SUBREAPER,
-                                     PR_SET_DUMPABLE, PR_SET_NO_NEW_PRIVS, PR_SET_PDEATHSIG, Landlock,
-                                     drop_capabilities, enter_mount_namespace, install_seccomp,
-                                     prctl, readable_paths, seccomp_filter, set_oom_score)
+                                     PR_SET_DUMPABLE, PR_SET_NO_NEW_PRIVS, PR_SET_PDEATHSIG,
+                                     Landlock, drop_capabilities, enter_mount_namespace,
+                                     install_seccomp, prctl, readable_paths, seccomp_filter,
+                                     set_oom_score)
 
 THIS_FILE = os.path.abspath(__file__)     # what the workers run, whatever the cwd later
 MAX_TASKS = 256                    # tasks per run, the main thread included
 MAX_OPEN_FILES = 256
-# Queued signals: a quota each uid shares with the host (RLIMIT_SIGPENDING).
-MAX_SIGNALS = 64
-# Seconds between two looks at a run whose disk or tasks the kernel does not bound.
-WATCH = 0.1
-OOM_SCORE = 1000                   # every run is the OOM killer's first choice
+MAX_SIGNALS = 64                   # queued: a quota each uid shares with the host (SIGPENDING)
+WATCH = 0.1                        # seconds between looks at what the kernel does not bound
 PREIMPORT = ("numpy", "numpy.random", "sympy")   # imported once per worker, if installed
 # Cheap stdlib modules model code (and the graders' prelude) use all the time.
 WARM_STDLIB = ("math cmath fractions decimal itertools functools collections heapq bisect random "
                "statistics string re json typing datetime copy operator dataclasses enum").split()
-# Libraries load submodules lazily on first use (sympy's printers and solvers, numpy's
-# linalg); doing it once in the worker spares every run that cost.
+# Lazily loaded submodules (sympy's printers and solvers, numpy's linalg), loaded once here.
 WARMUP = {
     "numpy": "import numpy as np\n"
              "np.linalg.det(np.eye(3)); np.linalg.solve(np.eye(2), np.ones(2))\n"
@@ -72,9 +62,9 @@ WARMUP = {
              "sp.simplify(sp.sin(x) ** 2 + sp.cos(x) ** 2)\n"
              "str(sp.integrate(x * sp.sin(x), x)); sp.diff(sp.exp(x), x); sp.Rational(1, 3) + 1\n"
              "sp.latex(x ** 2); sp.N(sp.pi, 10); sp.Matrix([[1, 2], [3, 4]]).det()"}
-THREAD_VARS = {name: "1" for name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS",
-                                      "MKL_NUM_THREADS", "NUMEXPR_NUM_THREADS",
-                                      "VECLIB_MAXIMUM_THREADS", "BLIS_NUM_THREADS")}
+THREAD_VARS = dict.fromkeys(["OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
+                             "NUMEXPR_NUM_THREADS", "VECLIB_MAXIMUM_THREADS",
+                             "BLIS_NUM_THREADS"], "1")
 _KEEP_ALIVE = []                   # the zygote's stdio and __main__: never finalized in a child
 _SETUP_FAILED = 125                # exit code of a child that could not confine itself
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -89,7 +79,7 @@ def _read_exactly(fd: int, size: int) -> bytes:
     return data
 
 
-def _child(zygote: dict, fds: list, address_space: int) -> None:
+def _child(zygote: dict, fds: list, address_space: int, cpu: int, disk: int) -> None:
     """In a freshly forked child: every layer in the fixed order, or exit 125 saying which."""
     step, plan, uid = "descriptors", zygote["plan"], zygote["uid"]
     try:
@@ -103,7 +93,7 @@ def _child(zygote: dict, fds: list, address_space: int) -> None:
         # stdin starts with the job: its length in 12 digits, then its JSON
         job = json.loads(_read_exactly(0, int(_read_exactly(0, 12))))
         step = "oom score"
-        set_oom_score(OOM_SCORE)
+        set_oom_score()
         step = "mount namespace"
         if plan["mount"]:
             enter_mount_namespace(zygote["dir"], job["disk_mb"], plan["mount"] == "user", uid)
@@ -111,16 +101,13 @@ def _child(zygote: dict, fds: list, address_space: int) -> None:
             os.chdir(zygote["dir"])
         step = "rlimits"
         memory = address_space + job["memory_mb"] * 2 ** 20   # on top of the warm interpreter
-        cpu = math.ceil(job["timeout"]) + 1
-        disk = int(job["disk_mb"] * 2 ** 20)
         # NPROC counts this run alone (its uid's, its user namespace's), or the owner's uid.
         nproc = MAX_TASKS + (_tasks_of(os.getuid()) - 1 if plan["nproc"] == "owner" else 0)
-        nproc = (("NPROC", nproc, nproc),) * bool(plan["nproc"])
         # The CPU limit sends SIGXCPU at the soft one, SIGKILL a second later at the hard one.
-        limits = (("AS", memory, memory), ("CPU", cpu, cpu + 1), ("FSIZE", disk, disk),
-                  ("NOFILE", MAX_OPEN_FILES, MAX_OPEN_FILES), ("CORE", 0, 0),
-                  ("MSGQUEUE", 0, 0), ("SIGPENDING", MAX_SIGNALS, MAX_SIGNALS)) + nproc
-        for which, soft, hard in limits:
+        limits = [("AS", memory, memory), ("CPU", cpu, cpu + 1), ("FSIZE", disk, disk),
+                  ("NOFILE", MAX_OPEN_FILES, MAX_OPEN_FILES), ("CORE", 0, 0), ("MSGQUEUE", 0, 0),
+                  ("SIGPENDING", MAX_SIGNALS, MAX_SIGNALS)]
+        for which, soft, hard in limits + [("NPROC", nproc, nproc)] * bool(plan["nproc"]):
             resource.setrlimit(getattr(resource, "RLIMIT_" + which), (soft, hard))
         step = "no_new_privs"
         prctl(PR_SET_NO_NEW_PRIVS, 1)
@@ -149,8 +136,8 @@ def _child(zygote: dict, fds: list, address_space: int) -> None:
 
 # The guard around a run's statements. Its handlers step a reporter (`[] = it` steps an iterator
 # once): no call the profiler sees, no line the tracer sees (no line numbers), no check for signals
-# or other threads before the report is on fd 3.
-# Its constants, replaced after compiling, carry a token no program knows when it is compiled.
+# or other threads before the report is on fd 3. Its constants, replaced after compiling, carry a
+# token no program knows when it is compiled.
 _MARKS = [f"guard {os.urandom(8).hex()}: {name}" for name in ("SystemExit", "exit", "crash")]
 _GUARD = ast.parse("try:\n    pass\nexcept '{}':\n    [] = '{}'\n    raise\nexcept:\n    [] = '{}'\n"
                    "    raise\n".format(*_MARKS)).body[0]
@@ -160,10 +147,10 @@ for _node in ast.walk(_GUARD):
 
 
 def _reporters() -> dict:
-    """The guard's constants: reporters that write on fd 3 when stepped, in C (faulthandler's dump of
-    the stack: the GIL held, nothing allocated that the GC could act on): for a crash, and for a
-    SystemExit unless its code is None, 0 or False (told apart by identity: no method of the code's
-    own runs). Stepping them beforehand only writes the report; none has state to undo it."""
+    """The guard's constants: reporters that write on fd 3 when stepped, in C (faulthandler's
+    stack dump: GIL held, nothing allocated for the GC to act on), for a crash and for a SystemExit
+    unless its code is None, 0 or False (by identity: no method of the code's own runs). Stepping
+    them beforehand only writes the report; none has state to undo it."""
     dump = starmap(faulthandler.dump_traceback, repeat((EPILOGUE_FD, False))).__next__
     codes = map(SystemExit.code.__get__, starmap(sys.exception, repeat(())))
     fine = map(frozenset(map(id, (None, 0, False))).__contains__, map(id, codes))
@@ -176,8 +163,10 @@ def _guarded(source: str) -> types.CodeType:
     fail) inside _GUARD: a failure leaving them is on fd 3 before it reaches this bootstrap."""
     tree = compile(source, "<string>", "exec", ast.PyCF_ONLY_AST, dont_inherit=True)
     head = 0
-    while head < len(tree.body) and (isinstance(tree.body[head], ast.Expr) and isinstance(
-            tree.body[head].value, ast.Constant) or getattr(tree.body[head], "module", 0) == "__future__"):
+    for node in tree.body:
+        if not (isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
+                or getattr(node, "module", 0) == "__future__"):
+            break
         head += 1
     if head < len(tree.body):
         _GUARD.body, tree.body = tree.body[head:], tree.body[:head] + [_GUARD]
@@ -197,14 +186,12 @@ def _tasks_of(uid: int) -> int:
 
 
 def _run_user_code(source: str) -> None:
-    """Behave like `python -c source` in a fresh interpreter, then exit. A failure of the code (an
-    exception, or SystemExit with a status other than 0) is reported on fd 3 by its guard, before
-    anything of the run's own (a hook, a finalizer, a handler, a thread) can run again; the run can
-    neither close, replace nor shut down fd 3, a socket no open() of /proc/self/fd reaches, and the
-    pool grades any run with bytes there a failure, whatever its exit status (M: of memory)."""
+    """Behave like `python -c source` in a fresh interpreter, then exit. A failure (an exception, or
+    SystemExit other than 0) is on fd 3, by its guard, before anything of the run's own (a hook,
+    finalizer, handler, thread) runs again; the run can neither close, replace nor shut down fd 3
+    (a socket no open() of /proc/self/fd reaches), and any bytes there make the run a failure."""
     exit_code = SystemExit.code.__get__        # the status asked, not what a subclass says
-    # Address space set aside (untouched, so free) and given back on MemoryError, so the
-    # traceback can be printed under the limit.
+    # Address space set aside (untouched: free), given back on MemoryError to print the traceback.
     reserve = mmap.mmap(-1, 4 << 20)
     sys.argv, sys.dont_write_bytecode = ["-c"], True
     sys.path.insert(0, "")
@@ -299,10 +286,9 @@ def _zygote_main(config: dict) -> None:
     child = disk = cpu_limit = over = stopped = None
     looked = watched = 0.0
     try:
-        preimported = [m for m in imported if m in config["preimport"]]
-        threads = len(os.listdir("/proc/self/task"))
-        sock.send(json.dumps({"op": "hello", "preimported": preimported,
-                              "threads": threads}).encode())
+        hello = {"op": "hello", "preimported": [m for m in imported if m in config["preimport"]],
+                 "threads": len(os.listdir("/proc/self/task"))}
+        sock.send(json.dumps(hello).encode())
         while True:
             watching = child and plan["watch"] and not stopped
             ready = select.select([sock, wake], [], [], WATCH if watching else None)[0]
@@ -351,8 +337,8 @@ def _zygote_main(config: dict) -> None:
                     # it) of ours, read when the run ends (none in flight: cheap to close).
                     report, theirs = (end.detach() for end in socket.socketpair())
                     looked, watched = time.monotonic(), 0.0
-                    if (child := os.fork()) == 0:
-                        _child(zygote, fds + [theirs], address_space)     # never returns
+                    if (child := os.fork()) == 0:      # the child: _child never returns
+                        _child(zygote, fds + [theirs], address_space, cpu_limit, disk)
                     os.close(theirs)
                     sock.send(json.dumps({"op": "forked", "pid": child, "rss": rss}).encode())
                 elif request["op"] == "kill" and request["pid"] == child:
@@ -377,14 +363,9 @@ def _zygote_main(config: dict) -> None:
 
 
 def _overdrawn(pid: int, directory: str, disk: int, watch: list) -> str | None:
-    """What a run the kernel does not bound went over, if anything (looked at every WATCH s, by
-    the zygote, whose time looking counts as the run's)."""
-    if "tasks" in watch:
-        with contextlib.suppress(OSError, IndexError, ValueError):
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()   # those after the command name
-            if (tasks := int(fields[17])) > MAX_TASKS:      # num_threads
-                return f"{tasks} tasks, over its {MAX_TASKS}"
+    """What a run went over of what the kernel does not bound for it, if anything."""
+    if "tasks" in watch and (fields := _stat(pid)) and int(fields[17]) > MAX_TASKS:  # num_threads
+        return f"{fields[17]} tasks, over its {MAX_TASKS}"
     return _too_much(*_walk(directory), disk) if "disk" in watch else None
 
 
@@ -395,13 +376,17 @@ def _too_much(files: int, size: int, disk: int) -> str | None:
     return None
 
 
+def _stat(pid: int) -> list:
+    """/proc/<pid>/stat after the command name (no ptrace rights needed); [] once it is gone."""
+    with contextlib.suppress(OSError, IndexError), open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()
+    return []
+
+
 def cpu_time(pid: int) -> float:
-    """CPU seconds of all of `pid`'s tasks, from /proc/<pid>/stat (no ptrace rights needed)."""
-    with contextlib.suppress(OSError, IndexError, ValueError):
-        with open(f"/proc/{pid}/stat") as f:
-            utime, stime = f.read().rsplit(")", 1)[1].split()[11:13]
-        return (int(utime) + int(stime)) / os.sysconf("SC_CLK_TCK")
-    return 0.0
+    """CPU seconds of all of `pid`'s tasks."""
+    fields = _stat(pid)
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK") if fields else 0.0
 
 
 def _fresh(directory: str, uid: int | None) -> None:
@@ -414,12 +399,11 @@ def _fresh(directory: str, uid: int | None) -> None:
         os.chown(directory, uid, uid)
 
 
-def _walk(top: str, remove: bool = False, limit: int = MAX_FILES) -> tuple:
-    """(entries, bytes) below directory `top`, depth-first without recursion and through one
-    descriptor at a time, going up by ".." checked against the directory it came from: no depth
-    raises RecursionError or runs out of descriptors, and no path grows with it. Counting stops
-    past `limit` entries. `remove`: everything below `top` is removed on the way. A directory
-    closed by its owner (mode 0) is opened up first."""
+def _walk(top: str, remove: bool = False) -> tuple:
+    """(entries, bytes) below `top`, depth-first without recursion, one descriptor at a time,
+    going up by ".." checked against where it came from: no depth raises RecursionError or runs
+    out of descriptors. Counting stops past MAX_FILES entries. `remove`: removes all below `top`
+    on the way, opening up directories their owner closed (mode 0)."""
     entries = size = 0
 
     def scan(fd: int) -> list:         # count one directory (unlinking its files): its subdirs
@@ -435,7 +419,7 @@ def _walk(top: str, remove: bool = False, limit: int = MAX_FILES) -> tuple:
                 elif remove:
                     with contextlib.suppress(OSError):
                         os.unlink(entry.name, dir_fd=fd)
-                if entries > limit and not remove:
+                if entries > MAX_FILES and not remove:
                     break
         return subdirs
 
@@ -446,7 +430,7 @@ def _walk(top: str, remove: bool = False, limit: int = MAX_FILES) -> tuple:
     above, todo = [], scan(fd)         # above: (device, inode, subdirs left, name) per level
     try:
         while True:
-            if todo and (remove or entries <= limit):
+            if todo and (remove or entries <= MAX_FILES):
                 name = todo.pop()
                 try:
                     child = _open_dir(name, fd)
