@@ -25,6 +25,7 @@ sandbox with lcb_runner's comparison rules (machinery/code_grading.run_tests), n
 
 import glob
 import json
+import math
 import os
 import re
 import sys
@@ -89,8 +90,7 @@ def score_math(response, answer):
 
 
 def score_choice(response, letter):
-    """The boxed option letter is the right one ((B) and \\text{B} allowed; uppercase, as the
-    prompt asks)."""
+    """The boxed option letter is the right one ((B), \\text{B} allowed; uppercase, as asked)."""
     try:
         boxed = boxed_answer(response)
         return (boxed is not None
@@ -152,10 +152,7 @@ def pass_at_k(n, c, k):
         raise ValueError(f"pass_at_k needs 0 < k <= n and 0 <= c <= n, got n={n} c={c} k={k}")
     if n - c < k:
         return 1.0
-    miss = 1.0
-    for i in range(n - c + 1, n + 1):
-        miss *= 1.0 - k / i
-    return 1.0 - miss
+    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
 
 
 def maj_at_k(preds, corrects, k):
@@ -237,20 +234,16 @@ def summarize(records, pass_k=None, verl=False):
             if re.match(r"^(avg|pass|maj|verl_\w+)@\d+(/mean)?$", key) or key == "mean_score":
                 vals = [v[key] for v in out.values() if key in v]
                 overall[key] = sum(vals) / len(vals)
-        overall.update(headline=sum(headline(v) for v in out.values()) / len(out),
+        # the paper's number: avg@n (LiveCodeBench's pass@1 is the same quantity)
+        overall.update(headline=sum(v[f"avg@{v['n']}"] for v in out.values()) / len(out),
                        problems=sum(v["problems"] for v in out.values()),
                        samples=sum(v["samples"] for v in out.values()), tools=tool_stats(records))
     return {"benchmarks": out, "overall": overall}
 
 
-def headline(bench):
-    """The number the paper reports: avg@n (LiveCodeBench's pass@1 is the same quantity)."""
-    return bench[f"avg@{bench['n']}"]
-
-
 def markdown_table(summary, name="model"):
     """Table 2 of the paper (one row: this model), then the details per benchmark."""
-    benches = list(summary["benchmarks"])
+    benches = summary["benchmarks"]
     order = ([b for b in BENCHMARK_TITLES if b in benches]
              + [b for b in benches if b not in BENCHMARK_TITLES])
     pct = lambda x: "-" if x is None else f"{100 * x:.1f}"
@@ -259,19 +252,18 @@ def markdown_table(summary, name="model"):
     # a group is named over its first column only
     groups = [f"**{g}**" if i == 0 or g != titles[i - 1][0] else ""
               for i, (g, _) in enumerate(titles)]
-    headlines = " | ".join(pct(headline(summary["benchmarks"][b])) for b in order)
+    avg = {b: pct(benches[b][f"avg@{benches[b]['n']}"]) for b in order}   # the headline
     lines = ["| | " + " | ".join(groups) + " |", "|---|" + "---|" * len(order),
              "| **Method** | " + " | ".join(f"**{t}**" for _, t in titles) + " |",
              "| *Agentic Reasoning* |" + " |" * len(order),
-             f"| {name} | " + headlines + " |", ""]
+             f"| {name} | " + " | ".join(avg.values()) + " |", ""]
     cols = ["benchmark", "problems", "n", "avg@n", "pass@1", "pass@n", "maj@n", "calls/resp",
             "call ok", "turns", "resp tok", "tok before 1st call", "tok/call", "finish"]
     lines += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for b in order:
-        s = summary["benchmarks"][b]
-        n = s["n"]
-        t = s["tools"]
-        row = [b, s["problems"], n, pct(s[f"avg@{n}"]), pct(s.get("pass@1")),
+        s = benches[b]
+        n, t = s["n"], s["tools"]
+        row = [b, s["problems"], n, avg[b], pct(s.get("pass@1")),
                pct(s.get(f"pass@{n}")), pct(s.get(f"maj@{n}")),
                num(t["tool_calls_per_response"]), pct(t["tool_call_success"]), num(t["turns"]),
                num(t["response_tokens"]), num(t["tokens_before_first_call"]),
@@ -297,19 +289,13 @@ def check_problem(p):
         return "field 'answer': missing"
     if p.get("system") is not None and not isinstance(p["system"], str):
         return "field 'system': not a string"
-    if p["kind"] == "code" and not _known_tests(p.get("tests")):
+    t = p["tests"] if isinstance(p.get("tests"), dict) else {}
+    asserts = isinstance(t.get("test_code"), str) and isinstance(t.get("entry_point"), str)
+    # a list of cases, empty only when assert-style test_code and its entry_point come instead
+    if p["kind"] == "code" and not (isinstance(t.get("cases"), list) and (t["cases"] or asserts)):
         return ("field 'tests': needs {'fn_name', 'cases': [{'input', 'output'}, ...]}"
                 " or assert-style test_code")
     return ""
-
-
-def _known_tests(t):
-    """A code problem's tests have one of the three shapes: a list of cases, empty only when
-    assert-style test_code and its entry_point come instead."""
-    if not (isinstance(t, dict) and isinstance(t.get("cases"), list)):
-        return False
-    assert_style = isinstance(t.get("test_code"), str) and isinstance(t.get("entry_point"), str)
-    return bool(t["cases"]) or assert_style
 
 
 def load_jsonl(path):
@@ -337,14 +323,17 @@ def with_uids(problems, default_benchmark="data"):
     return out
 
 
-def load_problems(cfg):
-    names = [b.strip() for b in cfg.benchmarks.split(",") if b.strip()]
+def problem_files(cfg):
+    """(benchmark, path) per problem file: (None, --data), else each of --benchmarks."""
     if cfg.data:
-        sources = [(None, cfg.data)]
-    else:
-        sources = [(b, os.path.join(cfg.data_dir, f"{b}.jsonl")) for b in names]
+        return [(None, cfg.data)]
+    names = [b.strip() for b in cfg.benchmarks.split(",") if b.strip()]
+    return [(b, os.path.join(cfg.data_dir, f"{b}.jsonl")) for b in names]
+
+
+def load_problems(cfg):
     problems = []
-    for bench, path in sources:
+    for bench, path in problem_files(cfg):
         if not os.path.exists(path):
             hint = "" if cfg.data else " (write it with: python data/prepare.py eval --out data)"
             raise SystemExit(f"benchmark file {path} not found" + hint)
@@ -398,8 +387,7 @@ def evaluate(model, tokenizer, problems, cfg, out_dir=None, progress=True, engin
     """Roll out, grade and summarise -> (this rank's records, summary). Each rank takes
     problems[rank::world]; all return the same summary. With out_dir, records are appended to
     out_dir/trajectories[.rankR].jsonl batch by batch and problems complete there are skipped.
-    engine: the rollout Engine to use (rl.py passes its own); else one made here serves every
-    batch."""
+    engine: rl.py passes its own; else one made here serves every batch."""
     import rollout
     import sandbox
     import torch
@@ -451,9 +439,8 @@ def evaluate(model, tokenizer, problems, cfg, out_dir=None, progress=True, engin
 
 
 def batch_problems(n, problems_per_batch):
-    """Problems per rollout call: as given, else enough for 256 samples (the recipe's 8 problems
-    x 32), at least 8. One sample each (the toy's 200) is then one call, not 25 of 8 sequences:
-    a step of the Engine costs about the same for 8 sequences as for 200."""
+    """Problems per rollout call: as given, else enough for 256 samples (the recipe's 8 x 32), at
+    least 8: an Engine step costs about the same for 8 sequences as for the toy's 200."""
     return problems_per_batch or max(8, 256 // n)
 
 
@@ -512,8 +499,7 @@ def check(cfg):  # every flag before anything is loaded or written: one line on 
 
 
 def toy_policy():
-    """--model toy: the newest toy policy, the RL run's last checkpoint, else the SFT start it
-    began from."""
+    """--model toy: the newest toy policy, the RL run's last checkpoint, else its SFT start."""
     rl_final = os.path.join(toy.ROOT, "rl", "final")
     return rl_final if os.path.exists(os.path.join(rl_final, "config.json")) else toy.sft_start()
 
@@ -550,10 +536,8 @@ def main(argv=None):
             this = sys.modules[__name__]  # its graders are part of the key
             eval_resume.reuse_or_start_fresh(out_dir, eval_resume.key(cfg, device, this))
         barrier()
-        if cfg.dtype:
-            dtype = getattr(torch, cfg.dtype)
-        else:
-            dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        default = torch.bfloat16 if device.type == "cuda" else torch.float32
+        dtype = getattr(torch, cfg.dtype) if cfg.dtype else default
         model = Transformer.from_pretrained(cfg.model, device=device, dtype=dtype).eval()
         model.attn_backend = cfg.attn_backend
         if device.type == "cuda" or cfg.attn_backend == "flash":

@@ -1,19 +1,14 @@
-"""machinery/code_grading.py: run a code problem's program against its tests in the sandbox,
-pass/fail per test.
-
-run_tests takes the three shapes of a problem's `tests` (docs/CONTRACTS.md, "Problem records") and
-grades each the way its source does:
-  stdin programs (LiveCodeBench, TACO): lcb_runner's import prelude, then the program as a script
-    on each case's input; its output compared by LiveCodeBench's rules (_same_output);
-  functional problems (fn_name): the Solution method or top-level function called on each case's
-    arguments, the value compared by value (_call_passed; TACO/APPS's wrapped ground truth too);
-  assert-style rows (upstream's code_math): per check line, a run of the program gives the
-    candidate's values for the line's calls as data (_VALUES_HARNESS), and the assertion is
-    evaluated where the program never ran: here for a comparison with a literal, else in a run
-    of the test alone (_CHECK_HARNESS) (_AssertTest).
-The expected outputs never enter a run of the program; they are compared here or in the test's
-own run. evaluate.py's code grader (score_code) calls run_tests; this module imports sandbox
-(when it runs something), never evaluate.
+"""machinery/code_grading.py: a code problem's program against its tests, in the sandbox,
+pass/fail per test. run_tests grades the three shapes of `tests` (docs/CONTRACTS.md, "Problem
+records") as their sources do:
+  stdin (LiveCodeBench, TACO): lcb_runner's import prelude, the program as a script on each case's
+    input, the output compared by LiveCodeBench's rules (_same_output);
+  fn_name: the Solution method or top-level function called on each case's arguments, the value
+    compared by value (_call_passed; TACO/APPS's wrapped ground truth too);
+  assert-style rows (upstream's code_math): the assertion evaluated where the program never ran
+    (_AssertTest).
+The expected outputs never enter a run of the program. evaluate.score_code calls run_tests; this
+module imports sandbox (when it runs something), never evaluate.
 """
 
 import ast
@@ -98,13 +93,12 @@ def _call_passed(result, marker, expected, wrapped):
 
 
 # Values that cross between a solution's run and the test's side, as one JSON text: a flat table
-# of nodes, so no depth costs recursion. An atom is a JSON scalar (None, a bool, a str, a float,
-# an int under 4000 bits) or [k], node k of: ["int", hex], ["complex", re, im], ["bytes", hex],
-# ["list" | "tuple" | "set" | "frozenset", [atom, ...]], ["dict", [[key, value], ...]], and
-# ["obj", name, [[field, atom], ...]] for an object of one of the row's prefix classes (ListNode,
-# TreeNode), rebuilt by name. Subclasses of these types cross as the base type (numpy scalars as
-# Python ones); any other value is refused. Run in the three harnesses, and here, where decoding
-# is linear in the text and bounded: MAX_VALUES values, tuples 100 deep, 64 equal hashes a set.
+# of nodes, so no depth costs recursion. An atom is a JSON scalar (None, bool, str, float, int
+# under 4000 bits) or [k], node k: ["int", hex], ["complex", re, im], ["bytes", hex], ["list" |
+# "tuple" | "set" | "frozenset", [atom, ...]], ["dict", [[key, value], ...]] or ["obj", name,
+# [[field, atom], ...]] (an object of a prefix class: ListNode, TreeNode). Subclasses cross as
+# the base type (numpy scalars as Python ones); other values are refused. Decoding (in the three
+# harnesses and here) is linear and bounded: MAX_VALUES values, tuples 100 deep, 64 equal hashes.
 CODEC = r'''
 import json as _json
 MAX_VALUES = 1 << 18      # values a table may hold (arrays, objects, commas of its text): bounded
@@ -141,12 +135,11 @@ def _encode(value, classes):
     while todo:
         v = todo.pop()
         k = seen[id(v)]
-        if isinstance(v, list):
-            nodes[k] = ["list", [atom(x) for x in list.__iter__(v)]]
+        if isinstance(v, (list, tuple)):
+            kind = list if isinstance(v, list) else tuple
+            nodes[k] = [kind.__name__, [atom(x) for x in kind.__iter__(v)]]
         elif isinstance(v, dict):
             nodes[k] = ["dict", [[atom(a), atom(b)] for a, b in dict.items(v)]]
-        elif isinstance(v, tuple):
-            nodes[k] = ["tuple", [atom(x) for x in tuple.__iter__(v)]]
         elif isinstance(v, (set, frozenset)):
             kind = set if isinstance(v, set) else frozenset
             items = list(kind.__iter__(v))
@@ -218,10 +211,9 @@ def _decode(text, classes):
 '''
 exec(CODEC)
 
-# The solution's side of an assert-style check line (run after CODEC): the row's prefix and the
-# program in a namespace of their own, then each of the line's calls of the candidate (the call's
-# text from the test, or its arguments as data), in order; the arguments and the value of each go
-# out as data after the marker. Neither the assertion nor its expected value is in this run.
+# The solution's side of a check line (after CODEC): the row's prefix and the program, then each
+# of the line's candidate calls in order (its text from the test, or its arguments as data); the
+# arguments and value of each go out as data. Neither the assertion nor its expected value is here.
 _VALUES_HARNESS = """
 import builtins, sys
 def _values(prefix, program, entry_point, param, calls, marker):
@@ -255,13 +247,12 @@ def _values(prefix, program, entry_point, param, calls, marker):
 _values({prefix!r}, {program!r}, {entry_point!r}, {param!r}, {calls!r}, {marker!r})
 """
 
-# The test's side (run after CODEC): the row's prefix and check line in a namespace of their own,
-# with no code of the solution's anywhere in the run; the candidate answers each call with the
-# solution's value, rebuilt, where the arguments are those the solution's run had (else it asks
-# for this call).
+# The test's side (after CODEC): the row's prefix and check line, no code of the solution's in the
+# run; the candidate answers each call with the solution's value, rebuilt, where the arguments are
+# those the solution's run had (else it asks for this call).
 _CHECK_HARNESS = """
 import builtins, os, sys
-def _check(prefix, test, param, answers, marker):
+def _check(prefix, test, answers, marker):
     ours = {{"__name__": "__main__", "__builtins__": builtins}}
     exec(compile(prefix, "<prefix>", "exec", dont_inherit=True), ours)
     classes = {{v.__name__: v for v in list(ours.values())
@@ -284,7 +275,7 @@ def _check(prefix, test, param, answers, marker):
         return _decode(value, classes)
     ours["check"](candidate)
     sys.stdout.write("\\n" + marker + "pass\\n")
-_check({prefix!r}, {test!r}, {param!r}, {answers!r}, {marker!r})
+_check({prefix!r}, {test!r}, {answers!r}, {marker!r})
 """
 MAX_ROUNDS = 8                     # runs of the solution for one check line, at most
 
@@ -369,11 +360,10 @@ def _literal_check(function: ast.FunctionDef, param: str):
 
 
 class _AssertTest:
-    """One check line of an assert-style row. A run of the solution computes the candidate's
-    values for the line's calls and sends them out as data; the assertion is evaluated where no
-    code of the solution's ever ran: here, for a comparison with a literal, else in a run of
-    the test's own (_CHECK_HARNESS), which asks for the calls it met that the solution's run did
-    not make, one more solution run each."""
+    """One check line of an assert-style row. A run of the solution sends the candidate's values
+    for the line's calls out as data; the assertion is evaluated where no code of the solution's
+    ran: here for a comparison with a literal, else in a run of the test's own (_CHECK_HARNESS),
+    which asks for each call the solution's run did not make, one more solution run each."""
 
     def __init__(self, prefix: str, program: str, test: str, entry_point: str):
         self.prefix, self.program, self.test, self.entry = prefix, program, test, entry_point
@@ -397,7 +387,7 @@ class _AssertTest:
             return CODEC + _VALUES_HARNESS.format(prefix=self.prefix, program=self.program,
                                                   entry_point=self.entry, param=self.param,
                                                   calls=self.calls, marker=self.marker), ""
-        return CODEC + _CHECK_HARNESS.format(prefix=self.prefix, test=self.test, param=self.param,
+        return CODEC + _CHECK_HARNESS.format(prefix=self.prefix, test=self.test,
                                              answers=self.answers, marker=self.marker), ""
 
     def take(self, result) -> None:
@@ -479,10 +469,9 @@ def _tests(source, tests):
 
 
 def run_tests(program, tests, timeout=6.0, stop_on_failure=False, memory_mb=1024, sandbox=None):
-    """Per-test pass/fail of `program` on `tests` (the three shapes of docs/CONTRACTS.md), in the
-    sandbox, concurrent unless `stop_on_failure` (one by one, the first failure fails the rest
-    unrun). Outputs are compared here, not in the sandbox; an assert-style test is one run of the
-    solution and, unless its assertion compares with a literal, one of the test (_AssertTest)."""
+    """Per-test pass/fail of `program` on `tests`, in the sandbox, concurrent unless
+    `stop_on_failure` (one by one, the first failure fails the rest unrun). Outputs are compared
+    here, not in the sandbox."""
     source = program if isinstance(program, str) else ""
     if not source.strip():
         return [False] * len(_tests("", tests))

@@ -1,9 +1,8 @@
-"""machinery/eval_resume.py: what `python evaluate.py` may reuse from an earlier run into the same
---out: samples, only when everything that changes an answer or its grade is the same (the model
-directory's files: weights, config, tokenizer, chat template; the sampling and tool settings; the
-problem files; the graders' source). Their key lies in <out>/resume_key.json; a run with another
-key moves the old trajectories aside (trajectories*.jsonl.replaced) and starts fresh; one line
-says which it did and why."""
+"""machinery/eval_resume.py: evaluate.py reuses an earlier run's samples in the same --out only when
+everything that changes an answer or its grade is the same (the model directory's files, the
+sampling and tool settings, the problem files, the graders' source): their key is in
+<out>/resume_key.json; another key moves the old trajectories aside (trajectories*.jsonl.replaced)
+and starts fresh. One line says which it did and why."""
 
 import glob
 import hashlib
@@ -33,11 +32,9 @@ def digest(paths=(), texts=()):
 
 def key(cfg, device, e):
     """What the samples in --out must have been made with to be reused. e: the evaluate module
-    (passed in, so this file does not import it), for the source of every function and table a
-    grade depends on."""
+    (passed in, so this file does not import it), for its problem files and graders' source."""
     from machinery import code_grading, final_answer
-    names = [b.strip() for b in cfg.benchmarks.split(",") if b.strip()]
-    problems = [cfg.data] if cfg.data else [os.path.join(cfg.data_dir, f"{b}.jsonl") for b in names]
+    problems = [path for _, path in e.problem_files(cfg)]
     model = sorted(p for p in glob.glob(os.path.join(cfg.model, "*")) if os.path.isfile(p))
     graders = [final_answer, e.score_math, e.score_choice, e.extract_program, e.score_code, e.score,
                e.extract_pred, code_grading]

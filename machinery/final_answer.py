@@ -1,11 +1,8 @@
 """machinery/final_answer.py: the final answer in a response, and the normalisation both sides of
 the math and multiple-choice graders go through (evaluate.score_math / score_choice compare what
-these give). The paper's strict grader looks at the \\boxed{} of the response's last 100 characters;
-here both the prediction and the reference are normalised first (\\dfrac, \\text{} units, "x = 5",
-thousands separators, zero padding)."""
+these give; evaluate.py's docstring says where they depart from the paper's strict grader)."""
 
 import re
-
 
 BOX_WINDOW = 100  # the paper's strict grader looks only at the last 100 characters
 
@@ -54,9 +51,8 @@ _TRAILING_UNIT = re.compile(r"(?:\s|\\ |~)*(?<![A-Za-z\\])(?:" + "|".join(sorted
 
 def _is_unit(words):
     words = words.strip().strip(".").lower()
-    if not words:
-        return True
-    return all(w in UNIT_WORDS or w in TEXT_ONLY_UNITS for w in re.split(r"[\s~]+", words))
+    return not words or all(w in UNIT_WORDS or w in TEXT_ONLY_UNITS
+                            for w in re.split(r"[\s~]+", words))
 
 
 def normalize_math(answer):
