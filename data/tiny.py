@@ -1,11 +1,10 @@
 """data/tiny.py: a genuine Hugging Face checkpoint built offline, for the tests and the CPU demo.
 
-`build_tiny_checkpoint(dir)` writes config.json + model.safetensors (random tiny Qwen3 weights) and a tokenizer
-that `transformers.AutoTokenizer` loads: byte-level BPE trained here on a small built-in corpus, Qwen's special
-tokens, the tool-call markers as single added tokens and digits one by one (both as in Qwen's vocabulary), and a
-chat template that renders the Qwen3 tool-use layout (tool system block, `<tool_call>` JSON on assistant turns,
-tool replies as `<tool_response>` inside a user turn, the generation prompt). Real Qwen checkpoints go through
-the same code paths; nothing here is special-cased downstream.
+`build_tiny_checkpoint(dir)` writes config.json + model.safetensors (random tiny Qwen3 weights)
+and a tokenizer that `transformers.AutoTokenizer` loads: byte-level BPE trained here on a small
+built-in corpus, Qwen's special tokens, the tool-call markers as single added tokens and digits one
+by one (both as in Qwen's vocabulary), and a chat template of the Qwen3 tool-use layout. Real Qwen
+checkpoints go through the same code paths; nothing here is special-cased downstream.
 
     python -m data.tiny runs/tiny      # write the checkpoint, print what was built
 """
@@ -62,7 +61,8 @@ r"""{%- else %}{{- tool_call.arguments | tojson }}{%- endif %}
 {%- endif %}
 {{- '<|im_end|>\n' }}
 {%- elif message.role == 'tool' %}
-{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}
+{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}"""
+r"""{{- '<|im_start|>user' }}{%- endif %}
 {{- '\n<tool_response>\n' + content + '\n</tool_response>' }}
 {%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\n' }}{%- endif %}
 {%- endif %}
@@ -72,30 +72,33 @@ r"""{%- else %}{{- tool_call.arguments | tojson }}{%- endif %}
 
 # Qwen2's pre-tokenizer split (contractions, words, punctuation runs, newlines, spaces), digits one
 # by one as in Qwen: ten digit tokens, each seen often, which the toy model learns to copy quickly.
-SPLIT_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+SPLIT_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 
 def _corpus():
     """Text the BPE merges are learned from: the chat and tool layout, Python, arithmetic prose."""
     from data.prompts import CODE_INTERPRETER
-    layout = CHAT_TEMPLATE.replace("{{-", " ").replace("}}", " ").replace("{%-", " ").replace("%}", " ")
-    python = ("print(result)\nimport math\nresult = sum(int(d) for d in str(n))\nfor i in range(10):\n"
-              "    total += i * i\nx = 12345 * 6789\nprint(x % 97)\ndef f(n):\n    return n ** 2\n"
-              "Traceback (most recent call last):\nNameError: name is not defined\nSyntaxError: invalid syntax\n")
-    prose = ("Compute the value. Let me use the code tool to calculate it. The answer is \\boxed{42}. "
-             "What is the product of the numbers? Find the remainder when divided by. "
-             "Solve the problem step by step and put the final answer in \\boxed{}. "
-             "The result of the computation is. I will write Python code to compute this. "
-             "<tool_call>\n{\"name\": \"code_interpreter\", \"arguments\": {\"code\": \"print(1)\"}}\n</tool_call> "
-             "<tool_response>\n1\n</tool_response> the sum of the digits of modulo times plus minus "
-             "What is 12 * 34? What is (56 * 78) % 9? What is the sum of the digits of 12**5? "
-             "Use the code tool, then give the final answer in \\boxed{}. The answer is \\boxed{7}. "
-             "NameError: name 'pritn' is not defined SyntaxError: invalid syntax. Perhaps you forgot a comma? ")
+    layout = (CHAT_TEMPLATE.replace("{{-", " ").replace("}}", " ")
+              .replace("{%-", " ").replace("%}", " "))
+    python = ("print(result)\nimport math\nresult = sum(int(d) for d in str(n))\n"
+              "for i in range(10):\n    total += i * i\nx = 12345 * 6789\nprint(x % 97)\n"
+              "def f(n):\n    return n ** 2\nTraceback (most recent call last):\n"
+              "NameError: name is not defined\nSyntaxError: invalid syntax\n")
+    prose = ("Compute the value. Let me use the code tool to calculate it. The answer is "
+             "\\boxed{42}. What is the product of the numbers? Find the remainder when divided "
+             "by. Solve the problem step by step and put the final answer in \\boxed{}. The "
+             "result of the computation is. I will write Python code to compute this. "
+             '<tool_call>\n{"name": "code_interpreter", "arguments": {"code": "print(1)"}}\n'
+             "</tool_call> <tool_response>\n1\n</tool_response> the sum of the digits of modulo "
+             "times plus minus What is 12 * 34? What is (56 * 78) % 9? What is the sum of the "
+             "digits of 12**5? Use the code tool, then give the final answer in \\boxed{}. The "
+             "answer is \\boxed{7}. NameError: name 'pritn' is not defined SyntaxError: invalid "
+             "syntax. Perhaps you forgot a comma? ")
     return [layout, json.dumps(CODE_INTERPRETER), python, prose] * 20
 
 
-def build_tokenizer(path, vocab_size=VOCAB_SIZE):
+def build_tokenizer(path):
     """Train the byte-level BPE and save a transformers-loadable tokenizer into `path`."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -106,11 +109,13 @@ def build_tokenizer(path, vocab_size=VOCAB_SIZE):
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size - len(MARKER_TOKENS), special_tokens=SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE - len(MARKER_TOKENS),
+                                  special_tokens=SPECIAL_TOKENS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(_corpus(), trainer=trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                   unk_token=None, bos_token=None, clean_up_tokenization_spaces=False)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
+                                   pad_token="<|endoftext|>", unk_token=None, bos_token=None,
+                                   clean_up_tokenization_spaces=False)
     fast.add_tokens(MARKER_TOKENS)  # after training, so the merges never swallow them
     fast.chat_template = CHAT_TEMPLATE
     fast.model_max_length = TINY_CONFIG["max_position_embeddings"]
@@ -132,8 +137,7 @@ def build_tiny_checkpoint(path, seed=0, **overrides):
 
 
 if __name__ == "__main__":
-    out = sys.argv[1] if len(sys.argv) > 1 else "runs/tiny"
-    build_tiny_checkpoint(out)
+    out = build_tiny_checkpoint(sys.argv[1] if len(sys.argv) > 1 else "runs/tiny")
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(out)
     print(f"wrote {out}: vocab {len(tok)}, files {sorted(os.listdir(out))}")

@@ -96,7 +96,7 @@ def _buggy(rng, code):
                        code.replace("print(", "print(x + ", 1)])
 
 
-def make_sft_records(problems, seed=0, mix=(0.35, 0.45, 0.2), tool_output_chars=256):
+def make_sft_records(problems, seed=0, mix=(0.35, 0.45, 0.2)):
     """{"messages", "tools"} trajectories; `mix` = shares of tool / guess / retry trajectories."""
     import sandbox
     from data.prompts import CODE_INTERPRETER
@@ -111,7 +111,7 @@ def make_sft_records(problems, seed=0, mix=(0.35, 0.45, 0.2), tool_output_chars=
         messages = [{"role": "user", "content": p["prompt"]}]
         reply = None
         for code in plan:
-            reply = sandbox.format_tool_output(next(results), max_chars=tool_output_chars)
+            reply = sandbox.format_tool_output(next(results), max_chars=256)  # rollout's default
             call = {"name": "code_interpreter", "arguments": {"code": code}}
             messages += [{"role": "assistant", "content": "",
                           "tool_calls": [{"type": "function", "function": call}]},
