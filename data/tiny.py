@@ -61,8 +61,7 @@ r"""{%- else %}{{- tool_call.arguments | tojson }}{%- endif %}
 {%- endif %}
 {{- '<|im_end|>\n' }}
 {%- elif message.role == 'tool' %}
-{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}"""
-r"""{{- '<|im_start|>user' }}{%- endif %}
+{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}
 {{- '\n<tool_response>\n' + content + '\n</tool_response>' }}
 {%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\n' }}{%- endif %}
 {%- endif %}
@@ -81,20 +80,18 @@ def _corpus():
     from data.prompts import CODE_INTERPRETER
     layout = (CHAT_TEMPLATE.replace("{{-", " ").replace("}}", " ")
               .replace("{%-", " ").replace("%}", " "))
-    python = ("print(result)\nimport math\nresult = sum(int(d) for d in str(n))\n"
-              "for i in range(10):\n    total += i * i\nx = 12345 * 6789\nprint(x % 97)\n"
-              "def f(n):\n    return n ** 2\nTraceback (most recent call last):\n"
-              "NameError: name is not defined\nSyntaxError: invalid syntax\n")
-    prose = ("Compute the value. Let me use the code tool to calculate it. The answer is "
-             "\\boxed{42}. What is the product of the numbers? Find the remainder when divided "
-             "by. Solve the problem step by step and put the final answer in \\boxed{}. The "
-             "result of the computation is. I will write Python code to compute this. "
-             '<tool_call>\n{"name": "code_interpreter", "arguments": {"code": "print(1)"}}\n'
-             "</tool_call> <tool_response>\n1\n</tool_response> the sum of the digits of modulo "
-             "times plus minus What is 12 * 34? What is (56 * 78) % 9? What is the sum of the "
-             "digits of 12**5? Use the code tool, then give the final answer in \\boxed{}. The "
-             "answer is \\boxed{7}. NameError: name 'pritn' is not defined SyntaxError: invalid "
-             "syntax. Perhaps you forgot a comma? ")
+    python = ("print(result)\nimport math\nresult = sum(int(d) for d in str(n))\nfor i in range(10):\n"
+              "    total += i * i\nx = 12345 * 6789\nprint(x % 97)\ndef f(n):\n    return n ** 2\n"
+              "Traceback (most recent call last):\nNameError: name is not defined\nSyntaxError: invalid syntax\n")
+    prose = ("Compute the value. Let me use the code tool to calculate it. The answer is \\boxed{42}. "
+             "What is the product of the numbers? Find the remainder when divided by. "
+             "Solve the problem step by step and put the final answer in \\boxed{}. "
+             "The result of the computation is. I will write Python code to compute this. "
+             "<tool_call>\n{\"name\": \"code_interpreter\", \"arguments\": {\"code\": \"print(1)\"}}\n</tool_call> "
+             "<tool_response>\n1\n</tool_response> the sum of the digits of modulo times plus minus "
+             "What is 12 * 34? What is (56 * 78) % 9? What is the sum of the digits of 12**5? "
+             "Use the code tool, then give the final answer in \\boxed{}. The answer is \\boxed{7}. "
+             "NameError: name 'pritn' is not defined SyntaxError: invalid syntax. Perhaps you forgot a comma? ")
     return [layout, json.dumps(CODE_INTERPRETER), python, prose] * 20
 
 
