@@ -48,8 +48,8 @@ class DataError(SystemExit):  # a malformed row stops the run with this one line
 
 
 def source_rows(source):
-    """(row, "file: row i", file path from the folder above `top`) over every row of a local
-    file, of the row files under a local directory or of a hub dataset (`top`)."""
+    """(row, "file: row i", path below the folder that holds `top`) for every row of `top`: a
+    local file, or the row files under a local directory or a downloaded hub dataset."""
     top, files = source, [source]
     if not os.path.isfile(source):
         top, files = source if os.path.isdir(source) else download(source), []
