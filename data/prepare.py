@@ -2,17 +2,18 @@
 
     python data/prepare.py sft  --out data   # Gen-Verse/Open-AgentRL-SFT-3K -> data/sft.jsonl
     python data/prepare.py rl   --out data   # Gen-Verse/Open-AgentRL-30K    -> data/rl.jsonl
-    python data/prepare.py eval --out data   # Gen-Verse/Open-AgentRL-Eval   -> data/eval/{aime24,aime25,gpqa,lcb}.jsonl
+    python data/prepare.py eval --out data   # Gen-Verse/Open-AgentRL-Eval   -> data/eval/*.jsonl
     python data/prepare.py all  --out data   # all three
     python data/prepare.py eval --source code_generation_lite/test6.jsonl --lcb_start 2025-02-01
 
 --source: a hub dataset id (huggingface_hub, optional) or a local directory or file of .parquet
-(pyarrow, optional), .jsonl or .json rows. Eval also reads raw GPQA (options shuffled with a seed
-fixed by the question) and raw livecodebench/code_generation_lite rows (private tests: base64 of
-zlib of a pickle, unpickled as plain data only) dated in the paper's v6 window, 2025-02-01 ..
-2025-05-31 inclusive. Prompts are upstream's (data/prompts.py). A malformed row stops the run with
-one line: file, row number (from 1), field and what is wrong. Departure: each 30K row gets the
-prompt of its own data_source; upstream picks one per parquet file, by the file's first row.
+(pyarrow, optional), .jsonl or .json rows. Eval writes aime24, aime25, gpqa, lcb .jsonl files and
+also reads raw GPQA (options shuffled with a seed fixed by the question) and raw
+livecodebench/code_generation_lite rows (private tests: base64 of zlib of a pickle, unpickled as
+plain data only) dated in the paper's v6 window, 2025-02-01 .. 2025-05-31 inclusive. Prompts are
+upstream's (data/prompts.py). A malformed row stops the run with one line: file, row number (from
+1), field and what is wrong. Departure: each 30K row gets the prompt of its own data_source;
+upstream picks one per parquet file, by the file's first row.
 """
 
 import argparse
@@ -28,14 +29,15 @@ import sys
 import zlib
 from collections import Counter
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # when run as a script
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script
 from data import prompts  # noqa: E402
 
 HUB = {"sft": "Gen-Verse/Open-AgentRL-SFT-3K", "rl": "Gen-Verse/Open-AgentRL-30K",
        "eval": "Gen-Verse/Open-AgentRL-Eval"}
 ROW_FILES = (".parquet", ".jsonl", ".json")
+GROUND_TRUTH = "reward_model.ground_truth"
 MAX_DECOMPRESSED = 1 << 30  # LiveCodeBench's largest test blobs are far below 1 GiB
-LCB_WINDOW = (datetime.date(2025, 2, 1), datetime.date(2025, 5, 31))  # the paper's LiveCodeBench v6 slice
+LCB_WINDOW = (datetime.date(2025, 2, 1), datetime.date(2025, 5, 31))  # the paper's LCB v6 slice
 BENCHMARKS = (("aime24", "aime(20)?24"), ("aime25", "aime(20)?25"), ("gpqa", "gpqa"),
               ("lcb", "livecodebench|lcb|codegenerationlite"))
 
@@ -45,18 +47,23 @@ class DataError(SystemExit):  # a malformed row stops the run with this one line
         super().__init__(f"{where}: field '{field}': {what}")
 
 
-def resolve_files(source):
-    """(root, files): a local file, the row files under a local directory or a hub dataset."""
-    if os.path.isfile(source):
-        return os.path.dirname(os.path.abspath(source)), [source]
-    root = source if os.path.isdir(source) else download(source)
-    files = []
-    for d, dirs, names in os.walk(root):
-        dirs[:] = sorted(x for x in dirs if not x.startswith("."))  # skip .cache, .git
-        files += [os.path.join(d, n) for n in sorted(names) if n.endswith(ROW_FILES)]
-    if not files:
-        raise SystemExit(f"{source}: no .parquet, .jsonl or .json files found")
-    return os.path.dirname(os.path.abspath(root)), files  # root's own name tells the benchmark too
+def source_rows(source):
+    """(row, "file: row i", path below the folder that holds `top`) for every row of `top`: a
+    local file, or the row files under a local directory or a downloaded hub dataset."""
+    top, files = source, [source]
+    if not os.path.isfile(source):
+        top, files = source if os.path.isdir(source) else download(source), []
+        for d, dirs, names in os.walk(top):
+            dirs[:] = sorted(x for x in dirs if not x.startswith("."))  # skip .cache, .git
+            files += [os.path.join(d, n) for n in sorted(names) if n.endswith(ROW_FILES)]
+        if not files:
+            raise SystemExit(f"{source}: no .parquet, .jsonl or .json files found")
+    root = os.path.dirname(os.path.abspath(top))  # top's own name tells the benchmark too
+    for path in files:
+        for i, row in read_rows(path):
+            if not isinstance(row, dict):
+                raise SystemExit(f"{path}: row {i}: not an object")
+            yield row, f"{path}: row {i}", os.path.relpath(path, root)
 
 
 def download(repo_id):
@@ -64,42 +71,39 @@ def download(repo_id):
         raise SystemExit(f"{repo_id}: no such file or directory")
     try:
         from huggingface_hub import snapshot_download
-        return snapshot_download(repo_id=repo_id, repo_type="dataset", allow_patterns=["*" + e for e in ROW_FILES])
+        return snapshot_download(repo_id=repo_id, repo_type="dataset",
+                                 allow_patterns=["*" + e for e in ROW_FILES])
     except ImportError:
-        raise SystemExit("downloading needs huggingface_hub (pip install huggingface_hub), or pass --source DIR")
+        raise SystemExit("downloading needs huggingface_hub (pip install huggingface_hub), "
+                         "or pass --source DIR")
     except Exception as e:
         first_line = str(e).splitlines()[0] if str(e) else ""
-        raise SystemExit(f"could not download {repo_id} from the Hugging Face hub ({type(e).__name__}: {first_line}); "
+        raise SystemExit(f"could not download {repo_id} from the Hugging Face hub "
+                         f"({type(e).__name__}: {first_line}); "
                          "download it elsewhere and pass --source DIR")
 
 
 def read_rows(path):
-    """(row number from 1, row dict) for a .parquet, .jsonl or .json file."""
+    """(row number from 1, row) of a .parquet, .jsonl or .json file."""
     if path.endswith(".parquet"):
         try:
             import pyarrow.parquet as pq
         except ImportError:
-            raise SystemExit(f"{path}: reading parquet needs pyarrow (pip install pyarrow), or convert it to .jsonl")
-        rows = enumerate((r for b in pq.ParquetFile(path).iter_batches(batch_size=64) for r in b.to_pylist()), 1)
+            raise SystemExit(f"{path}: reading parquet needs pyarrow (pip install pyarrow), "
+                             "or convert it to .jsonl")
+        batches = pq.ParquetFile(path).iter_batches(batch_size=64)
+        yield from enumerate((r for b in batches for r in b.to_pylist()), 1)
     elif path.endswith(".jsonl"):
-        rows = jsonl_rows(path)
+        with open(path, encoding="utf-8") as f:  # streamed: raw LiveCodeBench files are gigabytes
+            for i, line in enumerate(f, 1):
+                if line.strip():
+                    yield i, loads(line, f"{path}: row {i}")
     else:
         with open(path, encoding="utf-8") as f:
             rows = loads(f.read(), path)
         if not isinstance(rows, list):
             raise SystemExit(f"{path}: a .json source must hold a list of rows")
-        rows = enumerate(rows, 1)
-    for i, row in rows:
-        if not isinstance(row, dict):
-            raise SystemExit(f"{path}: row {i}: not an object")
-        yield i, row
-
-
-def jsonl_rows(path):
-    with open(path, encoding="utf-8") as f:  # streamed: raw LiveCodeBench files run to gigabytes
-        for i, line in enumerate(f, 1):
-            if line.strip():
-                yield i, loads(line, f"{path}: row {i}")
+        yield from enumerate(rows, 1)
 
 
 def loads(text, where):
@@ -157,15 +161,16 @@ def lcb_tests(value, where, field):
             items = json.loads(items)
         except json.JSONDecodeError:
             items = json_field(unpickle_blob(items, where, field), where, field)
-    try:  # plain data only: a tuple, set, bytes or non-string key does not survive a JSON round trip
-        plain = json.loads(json.dumps(items)) == items
+    try:  # plain data only: a tuple, set, bytes or non-string key fails a JSON round trip
+        plain = json.loads(json.dumps(items)) == items and isinstance(items, list)
     except (TypeError, ValueError, RecursionError):
         plain = False
-    if not plain or not isinstance(items, list) or not all(isinstance(c, dict) and isinstance(c.get("input"), str)
-                                                           and isinstance(c.get("output"), str) for c in items):
-        raise DataError(where, field, "expected a list of {'input': str, 'output': str, 'testtype': ...}, "
-                        "only plain data is allowed")
-    return [{"input": c["input"], "output": c["output"]} for c in items], {c.get("testtype") for c in items}
+    if not plain or not all(isinstance(c, dict) and isinstance(c.get("input"), str)
+                            and isinstance(c.get("output"), str) for c in items):
+        raise DataError(where, field, "expected a list of {'input': str, 'output': str, "
+                        "'testtype': ...}, only plain data is allowed")
+    cases = [{"input": c["input"], "output": c["output"]} for c in items]
+    return cases, {c.get("testtype") for c in items}
 
 
 def unpickle_blob(value, where, field):
@@ -176,38 +181,42 @@ def unpickle_blob(value, where, field):
             raise ValueError(f"decompresses past {MAX_DECOMPRESSED} bytes")
         obj = PlainUnpickler(io.BytesIO(data)).load()
     except Exception as e:
-        raise DataError(where, field, f"neither JSON nor base64+zlib+pickle ({type(e).__name__}: {e})")
+        raise DataError(where, field,
+                        f"neither JSON nor base64+zlib+pickle ({type(e).__name__}: {e})")
     return obj.decode("utf-8", errors="replace") if isinstance(obj, bytes) else obj
 
 
-def code_tests(gt, where, field="reward_model.ground_truth"):
+def code_tests(gt, where, field=GROUND_TRUTH):
     """verl code ground truth -> the three test shapes of CONTRACTS.md."""
     gt = json_field(gt, where, field)
     if not isinstance(gt, dict):
         raise DataError(where, field, f"expected an object, got {type(gt).__name__}")
-    if "inputs" not in gt and {"test_code", "entry_point", "import_prefix"} & gt.keys():
-        tests = {"fn_name": None, "cases": [], "import_prefix": gt.get("import_prefix") or ""}  # assert-style
+    if "inputs" not in gt and {"test_code", "entry_point", "import_prefix"} & gt.keys():  # asserts
+        tests = {"fn_name": None, "cases": [], "import_prefix": gt.get("import_prefix") or ""}
         for key in ("test_code", "entry_point"):
             if not isinstance(gt.get(key), str) or not gt[key].strip():
-                raise DataError(where, f"{field}.{key}", "missing (assert-style tests need test_code and entry_point)")
+                raise DataError(where, f"{field}.{key}",
+                                "missing (assert-style tests need test_code and entry_point)")
             tests[key] = gt[key]
         return tests
     ins, outs, fn = gt.get("inputs"), gt.get("outputs"), gt.get("fn_name") or None
     if not isinstance(ins, list) or not isinstance(outs, list) or not ins or len(ins) != len(outs):
         raise DataError(where, field, "needs lists 'inputs' and 'outputs' of one non-zero length")
     if fn is None:  # stdin programs; a list of lines is one text
-        ins, outs = [["\n".join(map(str, x)) if isinstance(x, list) else x for x in xs] for xs in (ins, outs)]
+        ins, outs = ([("\n".join(map(str, x)) if isinstance(x, list) else x) for x in xs]
+                     for xs in (ins, outs))
         if not all(isinstance(x, str) for x in ins + outs):
             raise DataError(where, field + ".inputs", "stdin tests need text inputs and outputs")
-        return {"fn_name": None, "cases": [{"input": i, "output": o} for i, o in zip(ins, outs)]}
-    if all(isinstance(i, str) for i in ins):  # LiveCodeBench style: one JSON argument a line already
-        return {"fn_name": fn, "cases": [{"input": i, "output": o if isinstance(o, str) else json.dumps(o)}
-                                         for i, o in zip(ins, outs)]}
-    if not all(isinstance(i, list) for i in ins):
+    elif all(isinstance(i, str) for i in ins):  # LiveCodeBench: already one JSON argument a line
+        outs = [o if isinstance(o, str) else json.dumps(o) for o in outs]
+    elif all(isinstance(i, list) for i in ins):
+        # TACO / APPS call-based: each output stored in a list ([48]); the grader takes either
+        cases = [{"input": "\n".join(json.dumps(a) for a in i), "output": json.dumps(o)}
+                 for i, o in zip(ins, outs)]
+        return {"fn_name": fn, "wrapped": True, "cases": cases}
+    else:
         raise DataError(where, field + ".inputs", "call-based inputs must all be argument lists")
-    # TACO / APPS call-based: each output stored wrapped in a list ([48]); the grader takes either
-    return {"fn_name": fn, "wrapped": True, "cases": [
-        {"input": "\n".join(json.dumps(a) for a in i), "output": json.dumps(o)} for i, o in zip(ins, outs)]}
+    return {"fn_name": fn, "cases": [{"input": i, "output": o} for i, o in zip(ins, outs)]}
 
 
 def convert_sft(row, where):
@@ -224,8 +233,10 @@ def convert_sft(row, where):
         msg = {"role": m["role"], "content": m.get("content") or ""}
         calls = json_field(m.get("tool_calls"), where, f + ".tool_calls")
         if calls:
-            msg["tool_calls"] = [tool_call(c, where, f"{f}.tool_calls[{k}]") for k, c in enumerate(calls)]
-        out.append(dict(msg, **{k: m[k] for k in ("name", "tool_call_id") if isinstance(m.get(k), str) and m[k]}))
+            msg["tool_calls"] = [tool_call(c, where, f"{f}.tool_calls[{k}]")
+                                 for k, c in enumerate(calls)]
+        msg |= {k: m[k] for k in ("name", "tool_call_id") if isinstance(m.get(k), str) and m[k]}
+        out.append(msg)
     if not any(m["role"] == "assistant" for m in out):
         raise DataError(where, "messages", "no assistant message to train on")
     tools = json_field(need(row, "tools", where, (list, str)), where, "tools")
@@ -249,7 +260,7 @@ def tool_call(c, where, field):
 def ground_truth(row, where):
     rm = json_field(need(row, "reward_model", where, (dict, str)), where, "reward_model")
     if not isinstance(rm, dict) or rm.get("ground_truth") is None:
-        raise DataError(where, "reward_model.ground_truth", "missing")
+        raise DataError(where, GROUND_TRUTH, "missing")
     return rm["ground_truth"]
 
 
@@ -263,13 +274,13 @@ def convert_rl(row, where):
     if "user" not in turns:
         raise DataError(where, "prompt", "no user message with text")
     gt = ground_truth(row, where)
-    rec = {"prompt": prompts.rl(turns["user"], source), "answer": None, "kind": "code", "source": source}
+    rec = dict(prompt=prompts.rl(turns["user"], source), answer=None, kind="code", source=source)
     if "code" in source.lower():  # upstream's compute_score sends these rows to the code grader
         rec["tests"] = code_tests(gt, where)
     else:
         gt = gt[0] if isinstance(gt, list) and len(gt) == 1 else gt
         if isinstance(gt, bool) or not isinstance(gt, (str, int, float)) or not str(gt).strip():
-            raise DataError(where, "reward_model.ground_truth", "expected a non-empty answer string")
+            raise DataError(where, GROUND_TRUTH, "expected a non-empty answer string")
         rec.update(kind="math", answer=str(gt).strip())
     if "system" in turns:
         rec["system"] = turns["system"]
@@ -280,8 +291,8 @@ def convert_rl(row, where):
 
 
 def benchmark_of(rel, row):
-    """aime24 | aime25 | gpqa | lcb, from the raw layouts, the folder and file names (Open-AgentRL-Eval
-    has aime2024/, gpqa-diamond/, ...) or data_source; else a name made from data_source."""
+    """aime24 | aime25 | gpqa | lcb from the raw layouts, the folder and file names (aime2024/,
+    gpqa-diamond/, ... in Open-AgentRL-Eval) or data_source; else a name made from data_source."""
     if "question_content" in row or "Correct Answer" in row:
         return "lcb" if "question_content" in row else "gpqa"
     for part in re.split(r"[\\/]", rel)[::-1] + [str(row.get("data_source") or "")]:
@@ -298,21 +309,22 @@ def convert_aime(row, where):
     key = next((k for k in ("Answer", "answer") if row.get(k) is not None), "Answer")
     value = need(row, key, where, (str, int, float))
     s = str(int(value) if isinstance(value, float) and value.is_integer() else value).strip()
-    if isinstance(value, bool) or not re.fullmatch(r"[+-]?\d+", s):
+    if isinstance(value, bool) or not re.fullmatch(r"[+-]?\d+", s):  # "033" is 33
         raise DataError(where, key, f"AIME answer {s[:40]!r} is not an integer")
-    rec = {"prompt": prompts.aime(need(row, problem, where)), "answer": int(s), "kind": "math"}  # "033" -> 33
-    return dict(rec, id=row.get("ID", row.get("id"))) if row.get("ID", row.get("id")) is not None else rec
+    rec = {"prompt": prompts.aime(need(row, problem, where)), "answer": int(s), "kind": "math"}
+    ident = row.get("ID", row.get("id"))
+    return rec if ident is None else dict(rec, id=ident)
 
 
 def convert_gpqa(row, where):
-    if row.get("Question") is not None:  # raw GPQA: options shuffled with a seed fixed by the question
+    if row.get("Question") is not None:  # raw GPQA, the problem laid out as in the Eval file
         question = need(row, "Question", where)
-        options = [str(need(row, k, where, (str, int, float))).strip()
-                   for k in ("Correct Answer", "Incorrect Answer 1", "Incorrect Answer 2", "Incorrect Answer 3")]
+        keys = ("Correct Answer", "Incorrect Answer 1", "Incorrect Answer 2", "Incorrect Answer 3")
+        options = [str(need(row, k, where, (str, int, float))).strip() for k in keys]
         right = options[0]
-        random.Random(zlib.crc32(question.encode())).shuffle(options)
+        random.Random(zlib.crc32(question.encode())).shuffle(options)  # seed fixed by the question
         letter = "ABCD"[options.index(right)]
-        problem = question.strip() + "\n" + "\n".join(f"({x}) {o}" for x, o in zip("ABCD", options))  # as the Eval file
+        problem = question.strip() + "\n" + "\n".join(f"({x}) {o}" for x, o in zip("ABCD", options))
         domain = need(row, "High-level domain", where)
     else:  # Open-AgentRL-Eval: the options are in the problem text already
         letter = str(need(row, "solution", where)).strip().strip("()").strip().rstrip(".").upper()
@@ -322,20 +334,23 @@ def convert_gpqa(row, where):
     return {"prompt": prompts.gpqa(problem, domain), "answer": letter, "kind": "choice"}
 
 
-def convert_lcb(row, where):
-    gt = json_field(ground_truth(row, where), where, "reward_model.ground_truth")
+def convert_lcb(row, where, window):
+    if "question_content" in row:
+        return convert_lcb_raw(row, where, window)
+    gt = json_field(ground_truth(row, where), where, GROUND_TRUTH)
     if not isinstance(gt, dict) or "inputs" not in gt:
-        raise DataError(where, "reward_model.ground_truth", "expected an object with inputs and outputs")
+        raise DataError(where, GROUND_TRUTH, "expected an object with inputs and outputs")
     tests = code_tests(gt, where)
     return {"prompt": prompts.lcb(need(row, "problem", where), gt["inputs"], gt["outputs"]),
             "answer": None, "kind": "code", "tests": tests}
 
 
-def convert_lcb_raw(row, where, window=LCB_WINDOW):
+def convert_lcb_raw(row, where, window):
     """A livecodebench/code_generation_lite row; None when its contest lies outside the window."""
     day = row.get("contest_date")  # ISO text in the real files; a datetime when pyarrow made it one
     try:
-        day = day if isinstance(day, datetime.datetime) else datetime.datetime.fromisoformat(str(day).strip())
+        if not isinstance(day, datetime.datetime):
+            day = datetime.datetime.fromisoformat(str(day).strip())
     except ValueError:
         raise DataError(where, "contest_date", f"{str(day)[:40]!r} is not an ISO date")
     if not window[0] <= day.date() <= window[1]:
@@ -352,47 +367,39 @@ def convert_lcb_raw(row, where, window=LCB_WINDOW):
     # upstream has no map for raw rows: map_lcb's template, the public tests as its examples
     prompt = prompts.lcb(need(row, "question_content", where), [c["input"] for c in public],
                          [c["output"] for c in public])
-    rec = {"prompt": prompt, "answer": None, "kind": "code", "tests": {"fn_name": fn, "cases": public + private},
-           "source": f"livecodebench/{row.get('platform') or 'unknown'}"}
+    tests = {"fn_name": fn, "cases": public + private}
+    rec = dict(prompt=prompt, answer=None, kind="code", tests=tests,
+               source=f"livecodebench/{row.get('platform') or 'unknown'}")
     return dict(rec, id=row["question_id"]) if row.get("question_id") is not None else rec
-
-
-def convert_eval(row, where, bench, window=LCB_WINDOW):
-    if bench == "lcb" and "question_content" in row:
-        rec = convert_lcb_raw(row, where, window)
-    else:
-        convert = {"aime24": convert_aime, "aime25": convert_aime, "gpqa": convert_gpqa, "lcb": convert_lcb}
-        rec = convert.get(bench, convert_rl)(row, where)  # an unknown benchmark: the verl layout
-    return rec and dict(rec, source=rec.get("source") or row.get("data_source") or bench, benchmark=bench)
-
-
-def convert_files(source, convert):
-    """convert(row, where, path relative to the root) over every row of every file."""
-    root, files = resolve_files(source)
-    return [convert(row, f"{path}: row {i}", os.path.relpath(path, root))
-            for path in files for i, row in read_rows(path)]
 
 
 def prepare_sft(source, out_dir, report=print):
     path = os.path.join(out_dir, "sft.jsonl")
-    write_jsonl(path, recs := convert_files(source, lambda row, where, rel: convert_sft(row, where)))
+    write_jsonl(path, recs := [convert_sft(row, where) for row, where, _ in source_rows(source)])
     report(f"wrote {len(recs)} SFT conversations to {path}")
     return path
 
 
 def prepare_rl(source, out_dir, report=print):
     path = os.path.join(out_dir, "rl.jsonl")
-    write_jsonl(path, recs := convert_files(source, lambda row, where, rel: convert_rl(row, where)))
+    write_jsonl(path, recs := [convert_rl(row, where) for row, where, _ in source_rows(source)])
     kinds = sorted(Counter(f"{r['kind']}/{r['source']}" for r in recs).items())
-    report(f"wrote {len(recs)} RL problems to {path} (" + ", ".join(f"{k} {n}" for k, n in kinds) + ")")
+    report(f"wrote {len(recs)} RL problems to {path} ({', '.join(f'{k} {n}' for k, n in kinds)})")
     return path
 
 
 def prepare_eval(source, out_dir, report=print, lcb_start=LCB_WINDOW[0], lcb_end=LCB_WINDOW[1]):
-    recs = convert_files(source, lambda row, where, rel: convert_eval(row, where, benchmark_of(rel, row),
-                                                                      (lcb_start, lcb_end)))
+    convert = {"aime24": convert_aime, "aime25": convert_aime, "gpqa": convert_gpqa,
+               "lcb": lambda row, where: convert_lcb(row, where, (lcb_start, lcb_end))}
+    recs = []
+    for row, where, rel in source_rows(source):
+        bench = benchmark_of(rel, row)
+        rec = convert.get(bench, convert_rl)(row, where)  # an unknown benchmark: the verl layout
+        recs.append(rec and dict(rec, source=rec.get("source") or row.get("data_source") or bench,
+                                 benchmark=bench))
     if None in recs:
-        report(f"dropped {recs.count(None)} LiveCodeBench rows dated outside {lcb_start} .. {lcb_end}")
+        report(f"dropped {recs.count(None)} LiveCodeBench rows dated outside "
+               f"{lcb_start} .. {lcb_end}")
     paths = {}
     for bench in sorted({r["benchmark"] for r in recs if r}):
         paths[bench] = os.path.join(out_dir, "eval", f"{bench}.jsonl")
@@ -417,7 +424,8 @@ def main(argv=None):
         ap.error("'all' reads the three hub datasets; convert a local copy one command at a time")
     for name in ("sft", "rl", "eval") if args.command == "all" else (args.command,):
         window = {"lcb_start": args.lcb_start, "lcb_end": args.lcb_end} if name == "eval" else {}
-        {"sft": prepare_sft, "rl": prepare_rl, "eval": prepare_eval}[name](args.source or HUB[name], args.out, **window)
+        prepare = {"sft": prepare_sft, "rl": prepare_rl, "eval": prepare_eval}[name]
+        prepare(args.source or HUB[name], args.out, **window)
 
 
 if __name__ == "__main__":

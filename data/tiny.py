@@ -1,11 +1,10 @@
 """data/tiny.py: a genuine Hugging Face checkpoint built offline, for the tests and the CPU demo.
 
-`build_tiny_checkpoint(dir)` writes config.json + model.safetensors (random tiny Qwen3 weights) and a tokenizer
-that `transformers.AutoTokenizer` loads: byte-level BPE trained here on a small built-in corpus, Qwen's special
-tokens, the tool-call markers as single added tokens and digits one by one (both as in Qwen's vocabulary), and a
-chat template that renders the Qwen3 tool-use layout (tool system block, `<tool_call>` JSON on assistant turns,
-tool replies as `<tool_response>` inside a user turn, the generation prompt). Real Qwen checkpoints go through
-the same code paths; nothing here is special-cased downstream.
+`build_tiny_checkpoint(dir)` writes config.json + model.safetensors (random tiny Qwen3 weights)
+and a tokenizer that `transformers.AutoTokenizer` loads: byte-level BPE trained here on a small
+built-in corpus, Qwen's special tokens, the tool-call markers as single added tokens and digits one
+by one (both as in Qwen's vocabulary), and a chat template of the Qwen3 tool-use layout. Real Qwen
+checkpoints go through the same code paths; nothing here is special-cased downstream.
 
     python -m data.tiny runs/tiny      # write the checkpoint, print what was built
 """
@@ -72,14 +71,15 @@ r"""{%- else %}{{- tool_call.arguments | tojson }}{%- endif %}
 
 # Qwen2's pre-tokenizer split (contractions, words, punctuation runs, newlines, spaces), digits one
 # by one as in Qwen: ten digit tokens, each seen often, which the toy model learns to copy quickly.
-SPLIT_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+SPLIT_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 
 def _corpus():
     """Text the BPE merges are learned from: the chat and tool layout, Python, arithmetic prose."""
     from data.prompts import CODE_INTERPRETER
-    layout = CHAT_TEMPLATE.replace("{{-", " ").replace("}}", " ").replace("{%-", " ").replace("%}", " ")
+    layout = (CHAT_TEMPLATE.replace("{{-", " ").replace("}}", " ")
+              .replace("{%-", " ").replace("%}", " "))
     python = ("print(result)\nimport math\nresult = sum(int(d) for d in str(n))\nfor i in range(10):\n"
               "    total += i * i\nx = 12345 * 6789\nprint(x % 97)\ndef f(n):\n    return n ** 2\n"
               "Traceback (most recent call last):\nNameError: name is not defined\nSyntaxError: invalid syntax\n")
@@ -95,7 +95,7 @@ def _corpus():
     return [layout, json.dumps(CODE_INTERPRETER), python, prose] * 20
 
 
-def build_tokenizer(path, vocab_size=VOCAB_SIZE):
+def build_tokenizer(path):
     """Train the byte-level BPE and save a transformers-loadable tokenizer into `path`."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -106,11 +106,13 @@ def build_tokenizer(path, vocab_size=VOCAB_SIZE):
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size - len(MARKER_TOKENS), special_tokens=SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE - len(MARKER_TOKENS),
+                                  special_tokens=SPECIAL_TOKENS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(_corpus(), trainer=trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                   unk_token=None, bos_token=None, clean_up_tokenization_spaces=False)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
+                                   pad_token="<|endoftext|>", unk_token=None, bos_token=None,
+                                   clean_up_tokenization_spaces=False)
     fast.add_tokens(MARKER_TOKENS)  # after training, so the merges never swallow them
     fast.chat_template = CHAT_TEMPLATE
     fast.model_max_length = TINY_CONFIG["max_position_embeddings"]
@@ -132,8 +134,7 @@ def build_tiny_checkpoint(path, seed=0, **overrides):
 
 
 if __name__ == "__main__":
-    out = sys.argv[1] if len(sys.argv) > 1 else "runs/tiny"
-    build_tiny_checkpoint(out)
+    out = build_tiny_checkpoint(sys.argv[1] if len(sys.argv) > 1 else "runs/tiny")
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(out)
     print(f"wrote {out}: vocab {len(tok)}, files {sorted(os.listdir(out))}")

@@ -1,13 +1,12 @@
 """data/toy.py: the toy tool-use task behind the CPU demo, and every toy helper of the pipeline.
 
-Arithmetic a million-parameter model cannot do in its head (products of two 3-digit numbers, of three 2-digit
-numbers, sums of two squares), so the way to the answer is the paper's loop: Python in a <tool_call>, read the
-<tool_response>, box the number. SFT trajectories mix styles so RL has a policy to sharpen: `tool` (35%, one
-correct call), `guess` (45%, no call, the expression restated and a wrong boxed estimate), `retry` (20%, a buggy
-call, the real error, a fixed call); guessing is the commonest, so whether to call is left for RL to learn from
-reward alone. Tool replies are what the sandbox really printed; held-out membership is a hash of the problem.
-Files: runs/toy/data/{sft,train,heldout}.jsonl (ensure()); the SFT start (sft_start(): runs/toy/sft/final of a
-`python sft.py` run, else the one shipped in data/toy_sft).
+Arithmetic a million-parameter model cannot do in its head (products of two 3-digit numbers, of
+three 2-digit numbers, sums of two squares), so the way to the answer is the paper's loop: Python
+in a <tool_call>, read the <tool_response>, box the number. SFT trajectories mix styles so RL has a
+policy to sharpen: `tool` (35%, one correct call), `guess` (45%, no call, the expression restated,
+a wrong boxed estimate), `retry` (20%, a buggy call, the real error, a fixed call); guessing is the
+commonest, so RL learns whether to call from reward alone. Tool replies are what the sandbox really
+printed. Files: runs/toy/data/{sft,train,heldout}.jsonl (ensure()); the SFT start (sft_start()).
     python -m data.toy --out data/toy        # writes sft.jsonl, train.jsonl, heldout.jsonl
 """
 
@@ -18,34 +17,34 @@ import os
 import random
 
 KINDS = ("mul", "triple", "squares")
-ROOT = "runs/toy"                   # the toy presets of sft.py and rl.py write under ./runs/toy
+ROOT = "runs/toy"  # the toy presets of sft.py and rl.py write under ./runs/toy
 DATA = os.path.join(ROOT, "data")
-SFT_DATA, TRAIN, HELDOUT = (os.path.join(DATA, f) for f in ("sft.jsonl", "train.jsonl", "heldout.jsonl"))
+SFT_DATA, TRAIN, HELDOUT = (os.path.join(DATA, f + ".jsonl") for f in ("sft", "train", "heldout"))
 SHIPPED_SFT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "toy_sft")
-LIMITS = dict(max_prompt_tokens=512, max_response_tokens=384, max_turns=3)   # toy trajectories are short
-EVAL = dict(n=1, temperature=1.0, top_p=0.6, **LIMITS)   # the paper's sampling, one sample per problem
+LIMITS = dict(max_prompt_tokens=512, max_response_tokens=384, max_turns=3)  # short trajectories
+EVAL = dict(n=1, temperature=1.0, top_p=0.6, **LIMITS)  # the paper's sampling, one sample a problem
 
 
 def make_problem(rng, kind, digits=3):
-    """One problem in the project's RL/eval format, plus the code that solves it (`code`). Every number of a
-    kind has a fixed width, so each copy the task needs (operands into the code, the tool's output into the box)
-    spans the same number of tokens in every problem of a kind: a model trained from scratch for minutes learns
-    such fixed-distance copies, while copying across varying distances (induction) takes it far longer."""
+    """A problem in the RL/eval format plus the code that solves it (`code`). Each number of a kind
+    has a fixed width, so every copy the task needs (operands into the code, the tool's output into
+    the box) spans a fixed number of tokens: a model trained from scratch for minutes learns such
+    copies, while copying across varying distances (induction) takes it far longer."""
     if digits < 2:
         raise ValueError(f"digits must be at least 2, not {digits}")
     top = 10 ** digits - 1
-    if kind == "mul":             # a * b with 2 * digits digits: a, b >= sqrt(10 ** (2 * digits - 1))
+    if kind == "mul":  # a * b with 2 * digits digits: a, b >= sqrt(10 ** (2 * digits - 1))
         lo = math.isqrt(10 ** (2 * digits - 1) - 1) + 1
         a, b = rng.randint(lo, top), rng.randint(lo, top)
         expr = f"{a} * {b}"
-    elif kind == "triple":        # a * b * c of (digits - 1)-digit operands: 3 * (digits - 1) digits
+    elif kind == "triple":  # a * b * c of (digits - 1)-digit operands: 3 * (digits - 1) digits
         width = 3 * (digits - 1)
         lo = math.ceil(10 ** ((width - 1) / 3))
-        while lo ** 3 < 10 ** (width - 1):       # float rounding of the cube root
+        while lo ** 3 < 10 ** (width - 1):  # float rounding of the cube root
             lo += 1
         a, b, c = (rng.randint(lo, 10 ** (digits - 1) - 1) for _ in range(3))
         expr = f"{a} * {b} * {c}"
-    elif kind == "squares":       # a ** 2 + b ** 2 with 2 * digits + 1 digits
+    elif kind == "squares":  # a ** 2 + b ** 2 with 2 * digits + 1 digits
         lo = math.isqrt(10 ** (2 * digits) // 2 - 1) + 1
         a, b = rng.randint(lo, top), rng.randint(lo, top)
         expr = f"{a}**2 + {b}**2"
@@ -56,10 +55,9 @@ def make_problem(rng, kind, digits=3):
             "code": f"print({expr})"}
 
 
-def is_heldout(problem, heldout_share=0.2):
-    """Held-out membership is a property of the problem text, so the splits never overlap."""
-    h = int(hashlib.sha256(problem["prompt"].encode()).hexdigest()[:8], 16)
-    return h % 1000 < heldout_share * 1000
+def is_heldout(problem):
+    """20% of problems, by a hash of the problem text, so the splits never overlap."""
+    return int(hashlib.sha256(problem["prompt"].encode()).hexdigest()[:8], 16) % 1000 < 200
 
 
 def make_problems(n, split, seed=0, digits=3):
@@ -74,7 +72,8 @@ def make_problems(n, split, seed=0, digits=3):
         if is_heldout(p) == (split == "heldout"):
             out.setdefault(p["prompt"], p)
     if len(out) < n:
-        raise ValueError(f"cannot draw {n} distinct {split} problems of {digits} digits: raise --digits or lower n")
+        raise ValueError(f"cannot draw {n} distinct {split} problems of {digits} digits: "
+                         "raise --digits or lower n")
     return list(out.values())
 
 
@@ -92,18 +91,19 @@ def _guess(rng, answer):
 
 def _buggy(rng, code):
     """The same code with one realistic mistake that makes Python raise."""
-    return rng.choice([code.replace("print(", "pritn(", 1), code.replace("print(", "print ", 1) + ")",
+    return rng.choice([code.replace("print(", "pritn(", 1),
+                       code.replace("print(", "print ", 1) + ")",
                        code.replace("print(", "print(x + ", 1)])
 
 
-def make_sft_records(problems, seed=0, mix=(0.35, 0.45, 0.2), tool_output_chars=256):
+def make_sft_records(problems, seed=0, mix=(0.35, 0.45, 0.2)):
     """{"messages", "tools"} trajectories; `mix` = shares of tool / guess / retry trajectories."""
     import sandbox
     from data.prompts import CODE_INTERPRETER
     rng = random.Random(f"sft-{seed}")
     styles = rng.choices(["tool", "guess", "retry"], weights=mix, k=len(problems))
-    plans = [{"tool": [p["code"]], "guess": [], "retry": [_buggy(rng, p["code"]), p["code"]]}[style]  # codes to call
-             for p, style in zip(problems, styles)]
+    plans = [{"tool": [p["code"]], "guess": [], "retry": [_buggy(rng, p["code"]), p["code"]]}[style]
+             for p, style in zip(problems, styles)]  # codes to call; _buggy draws for every style
     codes = [c for plan in plans for c in plan]
     results = iter(sandbox.run_many([sandbox.prepare_code(c) for c in codes], timeout=10.0))
     records = []
@@ -111,10 +111,12 @@ def make_sft_records(problems, seed=0, mix=(0.35, 0.45, 0.2), tool_output_chars=
         messages = [{"role": "user", "content": p["prompt"]}]
         reply = None
         for code in plan:
-            reply = sandbox.format_tool_output(next(results), max_chars=tool_output_chars)
-            call = {"type": "function", "function": {"name": "code_interpreter", "arguments": {"code": code}}}
-            messages += [{"role": "assistant", "content": "", "tool_calls": [call]}, {"role": "tool", "content": reply}]
-        if style == "guess":      # restates the expression (a copy, as in the tool call), then guesses
+            reply = sandbox.format_tool_output(next(results), max_chars=256)  # rollout's default
+            call = {"name": "code_interpreter", "arguments": {"code": code}}
+            messages += [{"role": "assistant", "content": "",
+                          "tool_calls": [{"type": "function", "function": call}]},
+                         {"role": "tool", "content": reply}]
+        if style == "guess":  # restates the expression (a copy, as in the tool call), then guesses
             text = f"{p['code'][len('print('):-1]} is about \\boxed{{{_guess(rng, p['answer'])}}}."
         else:
             text = f"The answer is \\boxed{{{reply.strip()}}}."
@@ -123,24 +125,25 @@ def make_sft_records(problems, seed=0, mix=(0.35, 0.45, 0.2), tool_output_chars=
     return records
 
 
-def build(out, n_sft=6000, n_train=2000, n_heldout=200, seed=0, digits=3, mix=(0.35, 0.45, 0.2), sft=True):
+def build(out, n_sft=6000, n_train=2000, n_heldout=200, seed=0, digits=3, sft=True):
     """Write sft.jsonl (when `sft`; it runs every trajectory's code in the sandbox), train.jsonl and
-    heldout.jsonl into `out`; returns the paths written. The RL problems are the same whether or
-    not the SFT file is written: they follow the n_sft SFT problems in one draw, so never repeat them."""
+    heldout.jsonl into `out`; returns the paths written. The RL problems are the same with or
+    without the SFT file: they follow the n_sft SFT problems in one draw, so never repeat them."""
     train = make_problems(n_sft + n_train, "train", seed, digits=digits)
     sft_problems, rl_problems = train[:n_sft], train[n_sft:]
     heldout = make_problems(n_heldout, "heldout", seed=0, digits=digits)  # fixed across seeds
-    files = {"sft.jsonl": make_sft_records(sft_problems, seed, mix)} if sft else {}
+    files = {"sft.jsonl": make_sft_records(sft_problems, seed)} if sft else {}
     files.update({"train.jsonl": rl_problems, "heldout.jsonl": heldout})
     from data.prepare import write_jsonl
     for name, rows in files.items():  # without "code": no solution leaks into the data
-        write_jsonl(os.path.join(out, name), [{k: v for k, v in r.items() if k != "code"} for r in rows])
+        rows = [{k: v for k, v in r.items() if k != "code"} for r in rows]
+        write_jsonl(os.path.join(out, name), rows)
     return [os.path.join(out, name) for name in files]
 
 
 def ensure(sft=False, base_dir=None, seed=0):
-    """Write what the toy pipeline reads when it is missing: the RL and held-out problems, the SFT
-    trajectories (sft=True; they run every call in the sandbox) and the tiny base model (base_dir)."""
+    """Write what the toy pipeline reads when it is missing: the RL and held-out problems, the
+    SFT trajectories (sft=True; they run every call in the sandbox), the tiny base (base_dir)."""
     if not all(os.path.exists(p) for p in ([TRAIN, HELDOUT] + [SFT_DATA] * sft)):
         build(DATA, seed=seed, sft=sft)
     if base_dir and not os.path.exists(os.path.join(base_dir, "config.json")):
@@ -157,8 +160,7 @@ def sft_start():
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="data/toy")
-    for flag, default in (("--n-sft", 6000), ("--n-train", 2000), ("--n-heldout", 200), ("--seed", 0), ("--digits", 3)):
-        ap.add_argument(flag, type=int, default=default)
-    a = ap.parse_args()
-    for path in build(a.out, a.n_sft, a.n_train, a.n_heldout, a.seed, a.digits):
+    for flag in ("--n-sft", "--n-train", "--n-heldout", "--seed", "--digits"):
+        ap.add_argument(flag, type=int)  # default: build's
+    for path in build(**{k: v for k, v in vars(ap.parse_args()).items() if v is not None}):
         print("wrote", path)

@@ -7,9 +7,9 @@ them; only the trainer's side of grading is measured.
     python scripts/bench_grading.py [--old COMMIT] [--quick]
 
 An old measurement is skipped (a dash) where its smaller size took over a second and, grown
-quadratically, would take over --patience seconds. A turn (the tool-call parser's input) is measured up to 240 KiB: 20,480
-one-token tags of 12 characters. RSS growth is VmHWM after the case less VmRSS before it (the peak
-reset through /proc/self/clear_refs).
+quadratically, would take over --patience seconds. A turn (the tool-call parser's input) is
+measured up to 240 KiB: 20,480 one-token tags of 12 characters. RSS growth is VmHWM after the
+case less VmRSS before it (the peak reset through /proc/self/clear_refs).
 """
 import argparse
 import concurrent.futures

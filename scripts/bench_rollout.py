@@ -69,10 +69,12 @@ def vs_transformers(model, hf, prompts, new_tokens, label, repeats=3, compile=Fa
             for _ in range(repeats)]  # interleaved, best of each: this machine's speed drifts between runs
     (ours, w_ours, c_ours), (theirs, w_hf, c_hf) = (min(r, key=lambda run: run[1:]) for r in zip(*runs))
     n, same = len(prompts) * new_tokens, sum(a == b for a, b in zip(ours, theirs))
-    print(f"  {label}: batch {len(prompts)}, prompt lengths {min(map(len, prompts))}..{width}, {new_tokens} new tokens each (greedy)")
+    print(f"  {label}: batch {len(prompts)}, prompt lengths {min(map(len, prompts))}..{width}, "
+          f"{new_tokens} new tokens each (greedy)")
     print(f"    rollout.generate      {n / w_ours:8.1f} tok/s wall ({w_ours:.2f} s), {n / c_ours:8.1f} tok/s CPU time")
     print(f"    transformers.generate {n / w_hf:8.1f} tok/s wall ({w_hf:.2f} s), {n / c_hf:8.1f} tok/s CPU time")
-    print(f"    ratio {w_hf / w_ours:.2f}x wall, {c_hf / c_ours:.2f}x CPU time; identical greedy tokens in {same}/{len(prompts)} rows")
+    print(f"    ratio {w_hf / w_ours:.2f}x wall, {c_hf / c_ours:.2f}x CPU time; "
+          f"identical greedy tokens in {same}/{len(prompts)} rows")
 
 
 def random_prompts(lengths, vocab):
@@ -97,7 +99,8 @@ def continuous_batching(model, vocab, num_requests, slots, max_len):
 
     _, t_static, _ = timed(static)
     _, t_cont, _ = timed(lambda: rollout.generate(model, prompts, lengths, max_num_seqs=slots))
-    print(f"  {num_requests} requests, {slots} slots, lengths {min(lengths)}..{max(lengths)} (mean {total / num_requests:.0f})")
+    print(f"  {num_requests} requests, {slots} slots, lengths {min(lengths)}..{max(lengths)} "
+          f"(mean {total / num_requests:.0f})")
     print(f"  static batches      {total / t_static:8.1f} tok/s  ({t_static:.2f} s)")
     print(f"  continuous batching {total / t_cont:8.1f} tok/s  ({t_cont:.2f} s)")
     print(f"  gain {t_static / t_cont:.2f}x")
@@ -126,7 +129,8 @@ class DelayedSandbox:
 
 def tool_overlap(model, tokenizer, num_traj, delay):
     chat = rollout.chat_format(tokenizer, rollout.RolloutConfig())
-    call = tokenizer.encode('Let me compute.\n<tool_call>\n{"name": "code_interpreter", "arguments": {"code": "print(6*7)"}}\n'
+    call = tokenizer.encode('Let me compute.\n<tool_call>\n'
+                            '{"name": "code_interpreter", "arguments": {"code": "print(6*7)"}}\n'
                             '</tool_call>', add_special_tokens=False) + [chat.end_of_turn]
     filler = tokenizer.encode(" the sum of the digits", add_special_tokens=False)
     # half the trajectories: two tool turns then an answer; the others: one long answer
@@ -139,14 +143,17 @@ def tool_overlap(model, tokenizer, num_traj, delay):
         s, k = scripts[prompt_key[tuple(seq.token_ids[:seq.num_prompt])]], sum(seq.mask)
         return s[k] if k < len(s) else chat.end_of_turn
 
-    policy, cfg, results = ScriptedModel(model.config, script, model), rollout.RolloutConfig(temperature=0.0, max_response_tokens=1024), {}
+    policy, cfg, results = (ScriptedModel(model.config, script, model),
+                            rollout.RolloutConfig(temperature=0.0, max_response_tokens=1024), {})
     for name, blocking in (("blocking", True), ("overlapped", False)):
         box = DelayedSandbox(delay, blocking)
         trajs, t, _ = timed(lambda: rollout.rollout(policy, tokenizer, problems, cfg, sandbox=box))
         results[name] = t
-        print(f"  {name:10s}: {t:6.2f} s for {num_traj} trajectories, {sum(len(x.response_ids) for x in trajs)} tokens, "
+        print(f"  {name:10s}: {t:6.2f} s for {num_traj} trajectories, "
+              f"{sum(len(x.response_ids) for x in trajs)} tokens, "
               f"{box.calls} tool calls of {delay} s (serial tool time {box.calls * delay:.1f} s)")
-    print(f"  overlap saves {results['blocking'] - results['overlapped']:.2f} s ({results['blocking'] / results['overlapped']:.2f}x)")
+    print(f"  overlap saves {results['blocking'] - results['overlapped']:.2f} s "
+          f"({results['blocking'] / results['overlapped']:.2f}x)")
 
 
 def qwen3_4b_decode(device, batches=(64, 256), new_tokens=64):
@@ -183,8 +190,9 @@ def main(argv):
         torch.set_num_threads(args.threads)
     device = torch.device(args.device if args.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
-    path = build_tiny_checkpoint(tempfile.mkdtemp(prefix="rollout-bench-"), seed=0, hidden_size=256, intermediate_size=768,
-                                 num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+    path = build_tiny_checkpoint(tempfile.mkdtemp(prefix="rollout-bench-"), seed=0, hidden_size=256,
+                                 intermediate_size=768, num_hidden_layers=8, num_attention_heads=4,
+                                 num_key_value_heads=2, head_dim=64)
     model, tokenizer = Transformer.from_pretrained(path, device=device), AutoTokenizer.from_pretrained(path)
     vocab, c = model.config.vocab_size, model.config
     print(f"bench model: random Qwen3, {model.num_params() / 1e6:.1f}M parameters, {c.num_hidden_layers} layers, "
@@ -193,7 +201,8 @@ def main(argv):
     hf = AutoModelForCausalLM.from_pretrained(path).to(device).eval()
     new = 32 if args.quick else 128
     vs_transformers(model, hf, random_prompts([64] * 32, vocab), new, "equal prompts", compile=args.compile)
-    vs_transformers(model, hf, random_prompts([64] * 32, vocab), 4 * new, "equal prompts, decode-heavy", compile=args.compile)
+    vs_transformers(model, hf, random_prompts([64] * 32, vocab), 4 * new,
+                    "equal prompts, decode-heavy", compile=args.compile)
     ragged = long_tail(32, 16, 512, 24, torch.Generator().manual_seed(3))
     vs_transformers(model, hf, random_prompts(ragged, vocab), new, "ragged prompts", compile=args.compile)
     del hf

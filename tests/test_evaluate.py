@@ -235,7 +235,8 @@ def test_grade_trajectory_token_counts():
     problem = {"uid": "x:0", "benchmark": "x", "kind": "math", "answer": "4"}
     traj = {"problem_index": 0, "sample_index": 0, "prompt_ids": [1], "response_ids": list(range(9)),
             "loss_mask": [1, 1, 1, 0, 0, 1, 1, 0, 1], "logprobs": [0.0] * 9, "text": "so \\boxed{4}",
-            "tool_calls": [{"code": "1", "status": "ok", "output": ""}, {"code": "2", "status": "timeout", "output": ""}],
+            "tool_calls": [{"code": "1", "status": "ok", "output": ""},
+                           {"code": "2", "status": "timeout", "output": ""}],
             "num_turns": 3, "finish_reason": "stop"}
     r = evaluate.grade_trajectory(problem, traj, evaluate.EvalConfig())
     assert r["correct"] and r["pred"] == "4" and r["score"] == 1.0
@@ -244,7 +245,8 @@ def test_grade_trajectory_token_counts():
 
 
 def test_parse_config(capsys):
-    c = evaluate.parse_config(["--n", "4", "--top-p=0.5", "--temperature", "0.7", "--benchmarks=aime24", "--verl_metrics"])
+    c = evaluate.parse_config(["--n", "4", "--top-p=0.5", "--temperature", "0.7",
+                               "--benchmarks=aime24", "--verl_metrics"])
     assert (c.n, c.top_p, c.temperature, c.benchmarks, c.verl_metrics) == (4, 0.5, 0.7, "aime24", True)
     with pytest.raises(SystemExit, match="unrecognized argument --nope=1"):
         evaluate.parse_config(["--nope=1"])
@@ -386,7 +388,8 @@ def test_verl_bootstrap_metrics():
     # the same draws as verl's bootstrap_metric: np.random.seed(42), then np.random.choice per draw
     np.random.seed(42)
     draws = [np.random.choice(4, size=2, replace=True) for _ in range(1000)]
-    assert evaluate.verl_bootstrap(preds, corrects, 2)[1] == pytest.approx(np.mean([max(corrects[i] for i in d) for d in draws]))
+    assert evaluate.verl_bootstrap(preds, corrects, 2)[1] == pytest.approx(
+        np.mean([max(corrects[i] for i in d) for d in draws]))
     recs = [rec("a:0", "aime24", i, c, pred=p) for i, (p, c) in enumerate(zip(preds, corrects))]
     s = evaluate.summarize(recs, [4], verl=True)["benchmarks"]["aime24"]
     assert s["verl_maj@4/mean"] == pytest.approx(maj) and s["verl_best@4/mean"] == pytest.approx(best)

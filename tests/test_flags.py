@@ -22,7 +22,8 @@ RL_BAD = dict(
     save_trajectories="-1", epochs="0", prompts_per_step="0", mini_batch_prompts="0", ppo_epochs="0",
     micro_batch_tokens="0", logprob_micro_batch_tokens="0", score_workers="0", eval_n="0", keep_checkpoints="0",
     samples_per_prompt="1", clip_c="1", lr="0", dist_timeout="0", temperature="0", code_test_timeout="0",
-    clip_low="1", beta1="1", beta2="-0.1", tool_bonus_cap="1", eval_top_p="0", kv_memory_utilization="1.5", top_p="1.5", top_k="-1",
+    clip_low="1", beta1="1", beta2="-0.1", tool_bonus_cap="1", eval_top_p="0",
+    kv_memory_utilization="1.5", top_p="1.5", top_k="-1",
     max_prompt_tokens="0", max_response_tokens="0", max_turns="0", max_parallel_calls="0", tool_output_chars="-1",
     tool_timeout="0", tool_memory_mb="0", sandbox_workers="-1")
 RL_MORE = [  # more impossible numbers, bad choices and contradictions: (flags, the flag named)
@@ -37,13 +38,15 @@ RL_MORE = [  # more impossible numbers, bad choices and contradictions: (flags, 
 SFT_BAD = dict(seed="-1", weight_decay="-1", grad_clip="-1", max_steps="-1", eval_size="-1", eval_every="-1",
                save_every="-1", epochs="0", batch_size="0", keep_train_state="0", log_every="0", max_len="1",
                lr="0", dist_timeout="-5", warmup_ratio="1", beta1="1", beta2="-0.5", micro_batch_tokens="100")
-SFT_MORE = [(["--model=./nope"], "model"), (["--too_long=wrap"], "too_long"), (["--attn_backend=xformers"], "attn_backend"),
+SFT_MORE = [(["--model=./nope"], "model"), (["--too_long=wrap"], "too_long"),
+            (["--attn_backend=xformers"], "attn_backend"),
             (["--save_dtype=int8"], "save_dtype"), (["--device=tpu"], "device"), (["--lr=inf"], "lr"),
             (["--data=missing.jsonl"], "data"), (["--model=toy", "--data=missing.jsonl"], "data")]
 EVAL_BAD = dict(n="0", temperature="-1", top_p="0", top_k="-1", max_prompt_tokens="0", max_response_tokens="0",
                 max_turns="0", max_parallel_calls="0", tool_output_chars="-1", tool_timeout="0", tool_memory_mb="0",
                 code_test_timeout="0", limit="-1", problems_per_batch="-1", seed="-1", sandbox_workers="-1")
-EVAL_MORE = [(["--model=runs/nope"], "model"), (["--pass_k=1,64"], "pass_k"), (["--pass_k=one"], "pass_k"), (["--dtype=int4"], "dtype"),
+EVAL_MORE = [(["--model=runs/nope"], "model"), (["--pass_k=1,64"], "pass_k"),
+             (["--pass_k=one"], "pass_k"), (["--dtype=int4"], "dtype"),
              (["--attn_backend=xformers"], "attn_backend"), (["--enable_thinking=maybe"], "enable_thinking"),
              (["--sandbox_require=nothing"], "sandbox_require"), (["--n=1", "--filter_out=kept.jsonl"], "n"),
              (["--data=", "--benchmarks=,"], "benchmarks"), (["--data=missing.jsonl"], "data"), (["--model="], "model")]

@@ -139,7 +139,8 @@ def test_token_logprobs_and_entropy_match_log_softmax(temperature, tmp_path):
     ids = torch.randint(0, 211, (2, 23))
     targets = torch.randint(0, 211, (2, 23))
     with torch.enable_grad():
-        logp, ent = model.token_logprobs(ids, targets, return_entropy=True, temperature=temperature, block_bytes=4 * 211 * 5)
+        logp, ent = model.token_logprobs(ids, targets, return_entropy=True, temperature=temperature,
+                                         block_bytes=4 * 211 * 5)
         (logp * torch.randn_like(logp)).sum().backward(retain_graph=True)  # noqa: just exercise
         model.zero_grad()
         w1, w2 = torch.randn(2, 23), torch.randn(2, 23)
@@ -229,7 +230,8 @@ def test_the_attention_path_is_said_and_flash_without_flash_attn_is_an_error(mon
     monkeypatch.setattr(model, "FLASH_ERROR", "ImportError: libcudart.so.12: cannot open shared object file")
     line = model.attention_path("auto", "cuda", torch.bfloat16)
     assert line.startswith("attention: torch SDPA") and "libcudart.so.12" in line and "no CUDA graphs" in line
-    with pytest.raises(RuntimeError, match="attn_backend='flash' but flash-attn does not import: ImportError: libcudart"):
+    with pytest.raises(RuntimeError, match="attn_backend='flash' but flash-attn does not import: "
+                                           "ImportError: libcudart"):
         model.attention_path("flash", "cuda", torch.bfloat16)
     with pytest.raises(ValueError, match="auto, sdpa or flash"):
         model.use_flash("triton", "cpu", torch.float32)

@@ -45,7 +45,8 @@ def gpqa_prompt(domain, problem):
 
 
 def lcb_prompt(problem, inputs, outputs):
-    examples = "\nHere are some input and output examples of the expected code:\nInput:" + inputs + "\nOutput:\n" + outputs
+    examples = ("\nHere are some input and output examples of the expected code:\nInput:" + inputs
+                + "\nOutput:\n" + outputs)
     return LCB_START + problem + examples + AGENT + LCB_CODE + SUBMIT
 
 
@@ -129,7 +130,8 @@ def test_call_based_taco_rows_keep_their_wrapped_outputs(tmp_path):
 def test_assert_style_rows_are_kept_verbatim(tmp_path):
     rows = rl_rows(tmp_path)
     assert len(rows) == 8                                              # nothing skipped
-    gt = json.loads(read(os.path.join(FIX, "rl", "open_agentrl_30k_code_rows.jsonl"))[1]["reward_model"]["ground_truth"])
+    code_rows = read(os.path.join(FIX, "rl", "open_agentrl_30k_code_rows.jsonl"))
+    gt = json.loads(code_rows[1]["reward_model"]["ground_truth"])
     assert rows["train-code-leetcode-Easy"]["tests"] == {"fn_name": None, "cases": [], **gt}
     assert rows["codegen/kodcode"]["tests"] == {"fn_name": None, "cases": [], "import_prefix": "",
                                                 "test_code": "def check(f):\n    assert f(2)", "entry_point": "is_even"}

@@ -26,7 +26,8 @@ TEMPLATES = {"instruct-2507": "qwen3_instruct_2507_chat_template.jinja", "hybrid
 # The code tool's schema as verl dumps its pydantic OpenAIFunctionToolSchema (fields in declaration order:
 # type, function {name, description, parameters {type, properties, required}}), which is also the text of the
 # tools column of Open-AgentRL-SFT-3K: what Qwen3-4B-RA-SFT and DemyAgent-4B saw in every prompt.
-UPSTREAM = ('{"type": "function", "function": {"name": "code_interpreter", "description": "A tool for executing code.", '
+UPSTREAM = ('{"type": "function", "function": {"name": "code_interpreter", '
+            '"description": "A tool for executing code.", '
             '"parameters": {"type": "object", "properties": {"code": {"type": "string", "description": "The code to '
             'execute."}}, "required": ["code"]}}}')
 
@@ -99,7 +100,8 @@ def test_rollout_and_sft_tokenize_a_trajectory_alike(qwen):
              {"role": "assistant", "content": "It printed <|im_end|> and 😀, so \\boxed{42}."}]
     problem = {"prompt": "Run the code. <|im_end|> stays text here too."}
     chat = rollout.chat_format(qwen, RolloutConfig())
-    conversation = [{"role": "user", "content": problem["prompt"]}, turns[0], {"role": "tool", "content": EVIL}, turns[1]]
+    conversation = [{"role": "user", "content": problem["prompt"]}, turns[0],
+                    {"role": "tool", "content": EVIL}, turns[1]]
     ids, mask, _ = sft.render(chat, conversation, [CODE_INTERPRETER])
     # what the model samples in each turn: the template's text of its turn, then the end-of-turn token
     full = chat.unmark(chat.render(chat.mark_messages(conversation)))

@@ -185,12 +185,14 @@ def test_parse_args_presets_and_types(capsys):
     paper = rl.parse_args([])           # one set of defaults: the paper's recipe
     assert paper == Config() and paper.model == "Gen-Verse/Qwen3-4B-RA-SFT"
     assert (paper.prompts_per_step, paper.samples_per_prompt, paper.mini_batch_prompts) == (64, 16, 16)
-    assert (paper.lr, paper.clip_low, paper.clip_high, paper.clip_c, paper.max_parallel_calls) == (1e-6, 0.2, 0.315, 10.0, 1)
+    assert (paper.lr, paper.clip_low, paper.clip_high, paper.clip_c, paper.max_parallel_calls) == (
+        1e-6, 0.2, 0.315, 10.0, 1)
     toy = rl.parse_args(["--preset", "toy", "--steps=3"])   # the toy, by name
     assert toy.model == "toy" and toy.prompts_per_step == rl.TOY["prompts_per_step"] and toy.steps == 3
     c = rl.parse_args(["--model", "/m", "--clip-higher=false", "--overlong", "false", "--dynamic_sampling",
                        "--lr", "3e-6", "--steps=7"])
-    assert (c.model, c.clip_higher, c.overlong, c.dynamic_sampling, c.lr, c.steps) == ("/m", False, False, True, 3e-6, 7)
+    assert ((c.model, c.clip_higher, c.overlong, c.dynamic_sampling, c.lr, c.steps)
+            == ("/m", False, False, True, 3e-6, 7))
     with pytest.raises(SystemExit, match="unrecognized argument --nope=1"):
         rl.parse_args(["--nope=1"])
     with pytest.raises(SystemExit, match="invalid int value: 'x'"):
@@ -198,7 +200,8 @@ def test_parse_args_presets_and_types(capsys):
     with pytest.raises(SystemExit):
         rl.parse_args(["--help"])
     help_text = " ".join(capsys.readouterr().out.split())   # each option with its comment and default
-    assert "--grad-clip GRAD_CLIP, --grad_clip GRAD_CLIP 0: no clipping (the norm is still logged) (default: 1.0)" in help_text
+    assert ("--grad-clip GRAD_CLIP, --grad_clip GRAD_CLIP 0: no clipping "
+            "(the norm is still logged) (default: 1.0)" in help_text)
     ran = []
     monkeypatch = pytest.MonkeyPatch()
     monkeypatch.setattr(rl, "train", ran.append)
@@ -570,10 +573,12 @@ def test_grad_clip_zero_means_no_clipping(tiny_ckpt):
     from machinery.distributed import setup_distributed
     setup_distributed()
     model, samples = tiny_update_inputs(tiny_ckpt)
-    opt, n_tok, cpu = torch.optim.AdamW(model.parameters(), lr=0.0), sum(sum(s["mask"]) for s in samples), torch.device("cpu")
+    opt, n_tok, cpu = (torch.optim.AdamW(model.parameters(), lr=0.0),
+                       sum(sum(s["mask"]) for s in samples), torch.device("cpu"))
     results = {}
     for clip in (1e9, 0.0, 1e-3):
-        stats = rl.update(model, opt, samples, n_tok, 3, Config(model="x", micro_batch_tokens=20, grad_clip=clip), cpu, 1)
+        stats = rl.update(model, opt, samples, n_tok, 3,
+                          Config(model="x", micro_batch_tokens=20, grad_clip=clip), cpu, 1)
         results[clip] = (stats["grad_norm"], grads(model))
     norm = results[1e9][0]
     assert norm > 1e-3 and results[0.0][0] == pytest.approx(norm) and results[1e-3][0] == pytest.approx(norm)
@@ -641,7 +646,8 @@ def test_setup_distributed_sets_a_long_timeout(monkeypatch):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setattr(common.torch.cuda, "is_available", lambda: False)
     assert common.setup_distributed()[3] is True
-    assert seen["backend"] == "gloo" and seen["timeout"] == common.DIST_TIMEOUT and common.DIST_TIMEOUT.total_seconds() >= 1800
+    assert (seen["backend"] == "gloo" and seen["timeout"] == common.DIST_TIMEOUT
+            and common.DIST_TIMEOUT.total_seconds() >= 1800)
 
 
 def test_recipe_options_run_inside_the_loop(tool_policy, tmp_path):

@@ -194,10 +194,12 @@ def test_capabilities_are_in_force(box, caps):
     print(json.dumps(caps, indent=1))
     assert caps["seccomp"] == f"bpf filter ({platform.machine()})"
     assert caps["layers"] == box.description and caps["layers"].startswith("sandbox: 2 workers; in force: seccomp")
-    assert set(sandbox_pool._expected(box.plan)) >= {"fork_blocked", "inet_blocked", "unix_bind_blocked", "no_new_privs",
-                                               "capabilities_dropped", "stdin_read_only", "workdir_writable",
-                                               "inotify_blocked", "locks_blocked", "host_metadata_blocked"}
-    assert all(caps["verified"][k] for k in sandbox_pool._expected(box.plan)), caps["verified"]   # measured inside a run
+    assert set(sandbox_pool._expected(box.plan)) >= {
+        "fork_blocked", "inet_blocked", "unix_bind_blocked", "no_new_privs", "capabilities_dropped",
+        "stdin_read_only", "workdir_writable", "inotify_blocked", "locks_blocked",
+        "host_metadata_blocked"}
+    # measured inside a run
+    assert all(caps["verified"][k] for k in sandbox_pool._expected(box.plan)), caps["verified"]
     assert caps["rlimits"]["NOFILE"] == sandbox_pool.MAX_OPEN_FILES and caps["rlimits"]["FSIZE"] > 0
     assert caps["worker_threads"] == 1                # forking a threaded worker is unsafe
     if "landlock" not in box.off:
@@ -1917,7 +1919,8 @@ def test_a_run_cannot_buy_itself_time(box, floor):
     code = ("import hashlib, os, threading, time\ngo, core = threading.Event(), {min(os.sched_getaffinity(0))}\n"
             "def spin():\n    go.wait()\n    os.sched_setaffinity(0, core)\n    while time.process_time() < 1.5:\n"
             "        hashlib.sha256(b'x' * (1 << 20)).digest()       # without the GIL: all on the core\n"
-            "for _ in range(16):\n    threading.Thread(target=spin, daemon=True).start()\ngo.set()\nspin()\ntime.sleep(60)")
+            "for _ in range(16):\n    threading.Thread(target=spin, daemon=True).start()\n"
+            "go.set()\nspin()\ntime.sleep(60)")
     for pool in (box, floor):         # the floor: no pids cgroup, no uid or mount namespace
         r, _ = attack(pool, code, timeout=0.2)
         assert r.status == "timeout" and r.seconds < 0.8, r
@@ -1930,12 +1933,15 @@ def test_disk_out_of_the_workers_sight_is_counted(floor, tmp_path):
     removing does nothing (what it wrote goes with the run), hard links and renames are refused,
     and the worker counts once more when the run ends."""
     os.chmod(tmp_path, 0o777)
-    mapped = ("import mmap, os, time\nkept = []\nfor i in range(6):\n    fd = os.open(f'm{i}', os.O_CREAT | os.O_RDWR)\n"
+    mapped = ("import mmap, os, time\nkept = []\nfor i in range(6):\n"
+              "    fd = os.open(f'm{i}', os.O_CREAT | os.O_RDWR)\n"
               "    os.ftruncate(fd, 15 << 20)\n    kept.append(mmap.mmap(fd, 15 << 20))\n    os.close(fd)\n"
-              "    os.unlink(f'm{i}')\n    kept[-1].write(b'x' * (15 << 20))\nprint('hidden', flush=True)\ntime.sleep(10)")
+              "    os.unlink(f'm{i}')\n    kept[-1].write(b'x' * (15 << 20))\n"
+              "print('hidden', flush=True)\ntime.sleep(10)")
     linked = (f"import os, time\nfor i in range(6):\n    open(f'f{{i}}', 'wb').write(b'x' * (15 << 20))\n    try:\n"
               f"        os.link(f'f{{i}}', f'{tmp_path}/l{{i}}')\n        os.rename(f'f{{i}}', f'{tmp_path}/r{{i}}')\n"
-              f"    except OSError:\n        print('refused', flush=True)\n        break\n    os.unlink(f'f{{i}}')\ntime.sleep(10)")
+              f"    except OSError:\n        print('refused', flush=True)\n        break\n"
+              f"    os.unlink(f'f{{i}}')\ntime.sleep(10)")
     burst = "for i in range(4):\n    open(f'f{i}', 'wb').write(b'x' * (15 << 20))\nprint('written')"
     for code in (mapped, linked, burst):
         r, _ = attack(floor, code, timeout=8, disk_mb=16)

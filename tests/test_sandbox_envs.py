@@ -100,12 +100,14 @@ CHECKS = {
     # written faster than the worker looks, or unlinked and kept mapped, is counted.
     "reopen fd 3": "import os\ntry:\n    os.open('/proc/self/fd/3', os.O_RDONLY)\n    print('REOPENED')\n"
                    "except OSError:\n    print('ok')",
-    "left behind": "import os, sys\nsys.setprofile(lambda f, e, a: f.f_code.co_filename != '<string>' and os._exit(0))\n"
-                   "raise ValueError",
+    "left behind": "import os, sys\nsys.setprofile(lambda f, e, a: "
+                   "f.f_code.co_filename != '<string>' and os._exit(0))\nraise ValueError",
     "burst": "for i in range(4):\n    open(f'b{i}', 'wb').write(b'x' * (5 << 20))\nprint('written')",
-    "mapped": "import mmap, os, time\nkept = []\nfor i in range(2):\n    fd = os.open(f'm{i}', os.O_CREAT | os.O_RDWR)\n"
+    "mapped": "import mmap, os, time\nkept = []\nfor i in range(2):\n"
+              "    fd = os.open(f'm{i}', os.O_CREAT | os.O_RDWR)\n"
               "    os.ftruncate(fd, 10 << 20)\n    kept.append(mmap.mmap(fd, 10 << 20))\n    os.close(fd)\n"
-              "    os.unlink(f'm{i}')\n    kept[-1].write(b'x' * (10 << 20))\nprint('hidden', flush=True)\ntime.sleep(5)",
+              "    os.unlink(f'm{i}')\n    kept[-1].write(b'x' * (10 << 20))\n"
+              "print('hidden', flush=True)\ntime.sleep(5)",
 }
 
 CHECK_SCRIPT = f"""

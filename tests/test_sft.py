@@ -141,7 +141,8 @@ def test_prefix_check_and_bad_records(tiny_tokenizer, tmp_path):
         "bad role": ('{"messages": [{"role": "robot", "content": "x"}]}', r"data.jsonl:2: messages\[0\].role"),
         "bad content": ('{"messages": [{"role": "user", "content": 3}]}', r"messages\[0\].content"),
         "bad call": ('{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "",'
-                     ' "tool_calls": [{"function": {"arguments": {}}}]}]}', r"messages\[1\].tool_calls\[0\].function.name"),
+                     ' "tool_calls": [{"function": {"arguments": {}}}]}]}',
+                     r"messages\[1\].tool_calls\[0\].function.name"),
         "no assistant": ('{"messages": [{"role": "user", "content": "q"}]}', "no assistant message"),
         "bad tools": ('{"messages": [{"role": "user", "content": "q"}], "tools": "[1"}', "tools: a string"),
     }
@@ -227,8 +228,9 @@ def test_torchrun_two_ranks_matches_one_process(tiny_ckpt, tmp_path):
     ids = torch.randint(0, ours.config.vocab_size, (1, 20))
     with torch.no_grad():
         assert (hf(ids).logits - ours(ids)).abs().max() < 1e-4
-    assert os.path.exists(os.path.join(final, "tokenizer.json")) and os.path.exists(os.path.join(final, "chat_template.jinja")) or \
-        "chat_template" in json.load(open(os.path.join(final, "tokenizer_config.json")))
+    assert (os.path.exists(os.path.join(final, "tokenizer.json"))
+            and os.path.exists(os.path.join(final, "chat_template.jinja"))
+            or "chat_template" in json.load(open(os.path.join(final, "tokenizer_config.json"))))
 
 
 @pytest.fixture
@@ -264,7 +266,8 @@ def test_kill_and_resume_matches_uninterrupted(tiny_ckpt, tmp_path, one_thread, 
     # only the newest checkpoint keeps its resume state; a leftover .tmp dir never counts as one
     assert [s for s, _ in checkpoints(parts.out_dir, resumable=True)] == [8]
     # metrics.jsonl holds every step once: the lines the killed run wrote past its checkpoint are gone
-    steps = [e["step"] for e in map(json.loads, open(os.path.join(parts.out_dir, "metrics.jsonl"))) if e["event"] == "train"]
+    steps = [e["step"] for e in map(json.loads, open(os.path.join(parts.out_dir, "metrics.jsonl")))
+             if e["event"] == "train"]
     assert steps == list(range(1, 9))
     # resuming with a setting that changes the data order or the schedule is refused, naming it
     changed = config(tiny_ckpt, data, tmp_path / "parts", save_every=1, resume=True, **dict(common, batch_size=4))

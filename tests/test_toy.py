@@ -60,7 +60,8 @@ def test_sft_toy_stage_writes_a_checkpoint(in_tmp):
     toy.build(toy.DATA, n_sft=24, n_train=8, n_heldout=8)   # small: sft.py reuses it
     final = sft.train(sft.parse_args(["--preset=toy", "--max_steps=2", "--batch_size=4", "--eval_size=4",
                                       "--progress=false"]))
-    assert os.path.exists(os.path.join(final, "config.json")) and os.path.exists(os.path.join(final, "model.safetensors"))
+    assert (os.path.exists(os.path.join(final, "config.json"))
+            and os.path.exists(os.path.join(final, "model.safetensors")))
     rows = [json.loads(l) for l in open("runs/toy/sft/metrics.jsonl")]
     assert any(r.get("step") == 2 and "loss" in r for r in rows)
     assert toy.sft_start() == os.path.join(toy.ROOT, "sft", "final")   # rl.py now starts from this run
