@@ -681,13 +681,15 @@ def call_outcome(refusal, future):
     Else from the Future: raised (a failed or cancelled run, a closed pool): "error"; a str: "ok";
     (status, text): the tool's own (run_code: the sandbox's ok, error, timeout, memory, killed)."""
     if refusal is not None:
-        return "bad_call", refusal
-    try:
-        reply = future.result()
-        status, text = ("ok", reply) if isinstance(reply, str) else reply
-    except Exception as e:  # a sandbox failure is the tool's answer, not a crash of the rollout
-        return "error", f"Error: the tool failed: {type(e).__name__}: {e}"[:200]
-    return status, text
+        status, text = "bad_call", refusal
+    else:
+        try:
+            reply = future.result()
+            status, text = ("ok", reply) if isinstance(reply, str) else reply
+        except Exception as e:  # a sandbox failure is the tool's answer, not a crash of the rollout
+            status, text = "error", f"Error: the tool failed: {type(e).__name__}: {e}"[:200]
+    # a lone surrogate (JSON's "\ud800" in the call, a tool's output) has no UTF-8 and no token
+    return status, text.encode("utf-8", "backslashreplace").decode()
 
 
 def run_code(arguments, sandbox, config):

@@ -183,8 +183,10 @@ def test_the_agent_loop_answers_hostile_turns_and_ends(tiny_tokenizer, tiny_ckpt
                             engine=engine)
     calls = traj.tool_calls
     assert traj.finish_reason == "stop" and traj.num_turns == 6
-    assert [c["status"] for c in calls] == ["bad_call", "bad_call", "ok"] + ["bad_call"] * 3
+    assert [c["status"] for c in calls] == ["bad_call", "bad_call", "ok", "ok"] + ["bad_call"] * 2
     assert "nested deeper" in calls[0]["output"] and "closed" in calls[5]["output"]
+    assert "\\udfff" in calls[1]["output"] or "\\ud800" in calls[1]["output"]
+    assert "print('\\ud800')" in calls[3]["output"]   # a lone surrogate replied as its escape
 
 
 def test_grading_and_reward(hostile_box):
