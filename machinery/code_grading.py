@@ -1,15 +1,9 @@
-"""machinery/code_grading.py: a code problem's program against its tests, in the sandbox,
-pass/fail per test. run_tests grades the three shapes of `tests` (docs/CONTRACTS.md, "Problem
-records") as their sources do:
-  stdin (LiveCodeBench, TACO): lcb_runner's import prelude, the program as a script on each case's
-    input, the output compared by LiveCodeBench's rules (_same_output);
-  fn_name: the Solution method or top-level function called on each case's arguments, the value
-    compared by value (_call_passed; TACO/APPS's wrapped ground truth too);
-  assert-style rows (upstream's code_math): the assertion evaluated where the program never ran
-    (_AssertTest).
-The expected outputs never enter a run of the program. evaluate.score_code calls run_tests; this
-module imports sandbox (when it runs something), never evaluate.
-"""
+"""machinery/code_grading.py: a code problem's program against its tests, in the sandbox, pass/fail
+per test, for the three shapes of `tests` (docs/CONTRACTS.md, "Problem records") as their sources
+grade them: stdin (LiveCodeBench, TACO), lcb_runner's prelude and output rules (_same_output);
+fn_name, the Solution method or function's value compared by value (_call_passed); assert-style
+rows (upstream's code_math), each assertion evaluated where the program never ran (_AssertTest).
+The expected outputs never enter a run of the program. Imports sandbox to run, never evaluate."""
 
 import ast
 import json
@@ -57,9 +51,8 @@ sys.stdout.write("\\n" + {marker!r} + text + "\\n")
 
 
 def _same_output(got, expected):
-    """LiveCodeBench: strip the whole, split lines, strip each, same count, each line equal as text
-    or as lists of Decimal numbers (3 == 3.0). The counts first: no more lines are split, and no
-    more tokens made Decimals, than the expected output holds (plus one)."""
+    """LiveCodeBench: strip, split lines, strip each, same count, each line equal as text or as
+    Decimals (3 == 3.0); counted first, so no more lines or Decimals than expected (plus one)."""
     got, expected = got.strip(), expected.strip()
     if got.count("\n") != expected.count("\n"):
         return False
@@ -68,8 +61,7 @@ def _same_output(got, expected):
 
 
 def _same_numbers(got, expected):
-    """[Decimal(t) for t in got.split()] == the same of expected, token by token (\\s is split()'s
-    whitespace): never more Decimals than the expected line holds, plus one."""
+    """Equal as Decimals token by token (\\S+ as str.split()), lazily: one more than expected at most."""
     try:
         return all(t is not None and w is not None and Decimal(t.group()) == Decimal(w)
                    for t, w in zip_longest(re.finditer(r"\S+", got), expected.split()))
@@ -85,20 +77,18 @@ def _call_passed(result, marker, expected, wrapped):
         got = _decode(result.stdout[at + len(marker):].strip(), {})
         want = json.loads(expected)
         got = list(got) if isinstance(got, tuple) else got     # LiveCodeBench: tuples as lists
-        # TACO/APPS ground truth is wrapped in a list: its first element passes too.
-        return got == want or (wrapped and isinstance(want, list) and len(want) > 0
-                               and got == want[0])
+        # TACO/APPS ground truth is wrapped in a list: its first element passes too
+        return got == want or (wrapped and isinstance(want, list) and want != [] and got == want[0])
     except Exception:
         return False
 
 
-# Values that cross between a solution's run and the test's side, as one JSON text: a flat table
-# of nodes, so no depth costs recursion. An atom is a JSON scalar (None, bool, str, float, int
-# under 4000 bits) or [k], node k: ["int", hex], ["complex", re, im], ["bytes", hex], ["list" |
-# "tuple" | "set" | "frozenset", [atom, ...]], ["dict", [[key, value], ...]] or ["obj", name,
-# [[field, atom], ...]] (an object of a prefix class: ListNode, TreeNode). Subclasses cross as
-# the base type (numpy scalars as Python ones); other values are refused. Decoding (in the three
-# harnesses and here) is linear and bounded: MAX_VALUES values, tuples 100 deep, 64 equal hashes.
+# Values that cross between a solution's run and the test's side, as one JSON text: a flat table of
+# nodes, so no depth costs recursion. An atom is a JSON scalar (None, bool, str, float, int under
+# 4000 bits) or [k], node k: ["int", hex], ["complex", re, im], ["bytes", hex], ["list" | "tuple" |
+# "set" | "frozenset", [atom, ...]], ["dict", [[key, value], ...]], ["obj", name, [[field, atom],
+# ...]] (a prefix class's object: ListNode, TreeNode). Subclasses cross as their base; others are
+# refused. Decoding is linear and bounded: MAX_VALUES values, tuples 100 deep, 64 equal hashes.
 CODEC = r'''
 import json as _json
 MAX_VALUES = 1 << 18      # values a table may hold (arrays, objects, commas of its text): bounded
