@@ -415,10 +415,8 @@ def evaluate(model, tokenizer, problems, cfg, out_dir=None, progress=True, engin
                 os.fsync(traj_file.fileno())
             records += new
             bar.update(len(batch))
-    lights = [light(r) for r in records]
-    if world > 1:  # ranks finish their shares far apart: a gather with a long timeout of its own
-        from machinery.distributed import gather_objects
-        lights = [r for part in gather_objects(lights) for r in part]
+    from machinery.distributed import gather_objects  # ranks finish far apart: a long timeout
+    lights = [r for part in gather_objects([light(r) for r in records]) for r in part]
     ks = [int(k) for k in cfg.pass_k.split(",") if k.strip()] or None
     return records, summarize(lights, ks, cfg.verl_metrics)
 
@@ -489,8 +487,9 @@ def toy_policy():
 
 
 def main(argv=None):
-    from machinery.distributed import (allocator_defaults, barrier, distributed, gather_objects,
-                                       print0, resolve_model, same_model, start_sandbox)
+    from machinery.distributed import (allocator_defaults, barrier, compute_dtype, distributed,
+                                       gather_objects, print0, resolve_model, same_model,
+                                       start_sandbox)
     allocator_defaults()  # before CUDA starts
     import torch
     from machinery import eval_resume
@@ -520,8 +519,7 @@ def main(argv=None):
             this = sys.modules[__name__]  # its graders are part of the key
             eval_resume.reuse_or_start_fresh(out_dir, eval_resume.key(cfg, device, this))
         barrier()
-        default = torch.bfloat16 if device.type == "cuda" else torch.float32
-        dtype = getattr(torch, cfg.dtype) if cfg.dtype else default
+        dtype = getattr(torch, cfg.dtype) if cfg.dtype else compute_dtype(device)
         model = Transformer.from_pretrained(cfg.model, device=device, dtype=dtype).eval()
         model.attn_backend = cfg.attn_backend
         if device.type == "cuda" or cfg.attn_backend == "flash":
