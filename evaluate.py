@@ -95,13 +95,11 @@ def score_choice(response, letter):
         return False
 
 
-_FENCE_OPEN = re.compile(r"```[ \t]*(?:python3?|py)[ \t]*\n", re.IGNORECASE)
-
-
 def extract_program(response):
     """The final answer's last complete ```python block (an unclosed last one: the one before)."""
     text = final_answer_text(response)
-    for start in reversed([m.end() for m in _FENCE_OPEN.finditer(text)][-2:]):
+    fences = re.finditer(r"```[ \t]*(?:python3?|py)[ \t]*\n", text, re.IGNORECASE)
+    for start in reversed([m.end() for m in fences][-2:]):
         end = text.find("```", start)
         if end >= 0:
             return text[start:end]
