@@ -177,19 +177,18 @@ def tool_stats(records):
     statuses = Counter(s for r in records for s in r["call_status"])
     calls = sum(statuses.values())
     with_calls = [r for r in records if r["num_tool_calls"]]
-    return {
-        "tool_calls_per_response": calls / m,
-        "responses_with_tool_calls": len(with_calls) / m,
-        "tool_call_success": statuses["ok"] / calls if calls else None,
-        "tool_call_status": {k: v / calls for k, v in sorted(statuses.items())},
-        "turns": sum(r["num_turns"] for r in records) / m,
-        "response_tokens": sum(r["response_tokens"] for r in records) / m,
-        "tokens_before_first_call": (sum(r["tokens_before_first_call"] for r in with_calls)
-                                     / len(with_calls) if with_calls else None),
-        "tokens_per_call": sum(r["sampled_tokens"] for r in with_calls) / calls if calls else None,
-        "finish_reasons": {k: v / m for k, v in
-                           sorted(Counter(r["finish_reason"] for r in records).items())},
-    }
+    return {"tool_calls_per_response": calls / m,
+            "responses_with_tool_calls": len(with_calls) / m,
+            "tool_call_success": statuses["ok"] / calls if calls else None,
+            "tool_call_status": {k: v / calls for k, v in sorted(statuses.items())},
+            "turns": sum(r["num_turns"] for r in records) / m,
+            "response_tokens": sum(r["response_tokens"] for r in records) / m,
+            "tokens_before_first_call": (sum(r["tokens_before_first_call"] for r in with_calls)
+                                         / len(with_calls) if with_calls else None),
+            "tokens_per_call": (sum(r["sampled_tokens"] for r in with_calls) / calls
+                                if calls else None),
+            "finish_reasons": {k: v / m for k, v in
+                               sorted(Counter(r["finish_reason"] for r in records).items())}}
 
 
 def summarize(records, pass_k=None, verl=False):
