@@ -1,13 +1,12 @@
 """evaluate.py: measure a checkpoint the way the paper does; graders shared with rl.py.
 
 Runs the agentic rollout n times per problem (AIME24/25, GPQA-Diamond, LiveCodeBench v6 from
-data/prepare.py, or any project-format jsonl) and reports per benchmark avg@n (the headline;
-LiveCodeBench's pass@1), unbiased pass@k, maj@k (samples without an answer do not vote), with
---verl_metrics verl's bootstrap maj@k/mean and best@k/mean, and tool-use statistics. Trajectories
-go to <out>/trajectories.jsonl (one file per rank), the summary to <out>/summary.json, a table in
-the layout of the paper's Table 2 to stdout; a rerun with the same --out skips finished problems.
---filter_out FILE is the paper's model-aware filtering: keep the problems solved sometimes but not
-always, tagged easy / medium / hard, with a histogram in FILE.hist.json.
+data/prepare.py, or any project-format jsonl); reports per benchmark avg@n (the headline;
+LiveCodeBench's pass@1), unbiased pass@k, maj@k (samples without an answer do not vote), tool use
+and, with --verl_metrics, verl's bootstrap maj@k/mean and best@k/mean. Trajectories go to
+<out>/trajectories.jsonl (one per rank), the summary to <out>/summary.json, Table 2's layout to
+stdout; a rerun with the same --out skips finished problems. --filter_out FILE: the paper's
+model-aware filtering (problems solved sometimes, tagged easy/medium/hard; FILE.hist.json).
 
     python evaluate.py --model DIR --benchmarks aime24,aime25,gpqa,lcb --n 32 \\
         --temperature 1.0 --top_p 0.6
@@ -18,9 +17,8 @@ always, tagged easy / medium / hard, with a histogram in FILE.hist.json.
     python evaluate.py --preset toy --model runs/toy/rl/step_000010 --n 4   # the toy, other flags
 
 Departures from the paper: the math grader normalises both sides (\\dfrac, \\text{} units, "x = 5",
-thousands separators, zero padding) before its exact match; LiveCodeBench runs in this project's
-sandbox with lcb_runner's comparison rules (machinery/code_grading.run_tests), not in lcb_runner;
-"overall" is the unweighted mean over benchmarks.
+"1,000", "033") before its exact match; LiveCodeBench runs in this sandbox with lcb_runner's
+comparison rules (machinery/code_grading.run_tests); "overall" is the unweighted mean of benchmarks.
 """
 
 import glob
@@ -82,9 +80,8 @@ BENCHMARK_TITLES = {  # Table 2's (group, column) per benchmark
 def score_math(response, answer):
     """The last box of the final answer equals the ground truth after normalisation."""
     try:
-        boxed = boxed_answer(response)
-        return (boxed is not None and normalize_math(boxed) != ""
-                and normalize_math(boxed) == normalize_math(answer))
+        pred = extract_pred({"kind": "math"}, response)
+        return pred not in (None, "") and pred == normalize_math(answer)
     except Exception:
         return False
 
@@ -92,21 +89,17 @@ def score_math(response, answer):
 def score_choice(response, letter):
     """The boxed option letter is the right one ((B), \\text{B} allowed; uppercase, as asked)."""
     try:
-        boxed = boxed_answer(response)
-        return (boxed is not None
-                and normalize_choice(boxed) == str(letter).strip().strip("()").upper())
+        pred = extract_pred({"kind": "choice"}, response)
+        return pred is not None and pred == str(letter).strip().strip("()").upper()
     except Exception:
         return False
 
 
-_FENCE_OPEN = re.compile(r"```[ \t]*(?:python3?|py)[ \t]*\n", re.IGNORECASE)
-
-
 def extract_program(response):
-    """The last complete ```python block of the final answer, or None (an unclosed last block
-    falls back to the one before it, which its opening fence closes)."""
+    """The final answer's last complete ```python block (an unclosed last one: the one before)."""
     text = final_answer_text(response)
-    for start in reversed([m.end() for m in _FENCE_OPEN.finditer(text)][-2:]):
+    fences = re.finditer(r"```[ \t]*(?:python3?|py)[ \t]*\n", text, re.IGNORECASE)
+    for start in reversed([m.end() for m in fences][-2:]):
         end = text.find("```", start)
         if end >= 0:
             return text[start:end]
@@ -146,8 +139,7 @@ def extract_pred(problem, response):
 
 
 def pass_at_k(n, c, k):
-    """Unbiased pass@k: the chance that k of n samples, drawn without replacement, hold one of the
-    c correct ones, 1 - C(n-c, k) / C(n, k) in product form (no big binomials)."""
+    """Unbiased pass@k, 1 - C(n-c, k) / C(n, k), in product form (no big binomials)."""
     if not 0 < k <= n or not 0 <= c <= n:
         raise ValueError(f"pass_at_k needs 0 < k <= n and 0 <= c <= n, got n={n} c={c} k={k}")
     if n - c < k:
@@ -156,16 +148,15 @@ def pass_at_k(n, c, k):
 
 
 def maj_at_k(preds, corrects, k):
-    """1.0 when the most frequent answer among the first k samples is right. Samples without an
-    answer do not vote; a tie goes to the answer seen first (most_common keeps insertion order)."""
+    """1.0 when the first k samples' most frequent answer is right. No answer, no vote; a tie goes
+    to the answer seen first (most_common keeps insertion order)."""
     votes = Counter(p for p in preds[:k] if p is not None)
     return float(corrects[preds.index(votes.most_common(1)[0][0])]) if votes else 0.0
 
 
 def verl_bootstrap(preds, corrects, k, draws=1000, seed=42):
-    """verl's process_validation_metrics: (maj@k/mean, best@k/mean) over `draws` samples of k
-    indices drawn with replacement; a missing answer votes as the empty string, and the majority
-    (the first most frequent) scores the correctness of its first occurrence in the draw."""
+    """verl's process_validation_metrics: (maj@k/mean, best@k/mean) over `draws` draws of k indices
+    with replacement; no answer votes as "", the first most frequent scores its first occurrence."""
     import numpy as np
     rng = np.random.RandomState(seed)
     maj = best = 0.0
@@ -180,26 +171,24 @@ def verl_bootstrap(preds, corrects, k, draws=1000, seed=42):
 
 
 def tool_stats(records):
-    """Tool use over graded trajectory records."""
     m = len(records)
     if not m:
         return {}
     statuses = Counter(s for r in records for s in r["call_status"])
     calls = sum(statuses.values())
     with_calls = [r for r in records if r["num_tool_calls"]]
-    return {
-        "tool_calls_per_response": calls / m,
-        "responses_with_tool_calls": len(with_calls) / m,
-        "tool_call_success": statuses["ok"] / calls if calls else None,
-        "tool_call_status": {k: v / calls for k, v in sorted(statuses.items())},
-        "turns": sum(r["num_turns"] for r in records) / m,
-        "response_tokens": sum(r["response_tokens"] for r in records) / m,
-        "tokens_before_first_call": (sum(r["tokens_before_first_call"] for r in with_calls)
-                                     / len(with_calls) if with_calls else None),
-        "tokens_per_call": sum(r["sampled_tokens"] for r in with_calls) / calls if calls else None,
-        "finish_reasons": {k: v / m for k, v in
-                           sorted(Counter(r["finish_reason"] for r in records).items())},
-    }
+    return {"tool_calls_per_response": calls / m,
+            "responses_with_tool_calls": len(with_calls) / m,
+            "tool_call_success": statuses["ok"] / calls if calls else None,
+            "tool_call_status": {k: v / calls for k, v in sorted(statuses.items())},
+            "turns": sum(r["num_turns"] for r in records) / m,
+            "response_tokens": sum(r["response_tokens"] for r in records) / m,
+            "tokens_before_first_call": (sum(r["tokens_before_first_call"] for r in with_calls)
+                                         / len(with_calls) if with_calls else None),
+            "tokens_per_call": (sum(r["sampled_tokens"] for r in with_calls) / calls
+                                if calls else None),
+            "finish_reasons": {k: v / m for k, v in
+                               sorted(Counter(r["finish_reason"] for r in records).items())}}
 
 
 def summarize(records, pass_k=None, verl=False):
@@ -249,8 +238,7 @@ def markdown_table(summary, name="model"):
     pct = lambda x: "-" if x is None else f"{100 * x:.1f}"
     num = lambda x: "-" if x is None else f"{x:.2f}" if isinstance(x, float) else str(x)
     titles = [BENCHMARK_TITLES.get(b, ("Other", b)) for b in order]  # (group, name)
-    # a group is named over its first column only
-    groups = [f"**{g}**" if i == 0 or g != titles[i - 1][0] else ""
+    groups = [f"**{g}**" if i == 0 or g != titles[i - 1][0] else ""  # over its first column only
               for i, (g, _) in enumerate(titles)]
     avg = {b: pct(benches[b][f"avg@{benches[b]['n']}"]) for b in order}   # the headline
     lines = ["| | " + " | ".join(groups) + " |", "|---|" + "---|" * len(order),
@@ -263,18 +251,14 @@ def markdown_table(summary, name="model"):
     for b in order:
         s = benches[b]
         n, t = s["n"], s["tools"]
-        row = [b, s["problems"], n, avg[b], pct(s.get("pass@1")),
-               pct(s.get(f"pass@{n}")), pct(s.get(f"maj@{n}")),
-               num(t["tool_calls_per_response"]), pct(t["tool_call_success"]), num(t["turns"]),
-               num(t["response_tokens"]), num(t["tokens_before_first_call"]),
-               num(t["tokens_per_call"]),
+        row = [b, s["problems"], n, avg[b], pct(s.get("pass@1")), pct(s.get(f"pass@{n}")),
+               pct(s.get(f"maj@{n}")), num(t["tool_calls_per_response"]),
+               pct(t["tool_call_success"]), num(t["turns"]), num(t["response_tokens"]),
+               num(t["tokens_before_first_call"]), num(t["tokens_per_call"]),
                ", ".join(f"{k} {100 * v:.0f}%" for k, v in t["finish_reasons"].items())]
         lines.append("| " + " | ".join(str(x) for x in row) + " |")
     note = "avg@n, pass@k, maj@k and call ok in %; LiveCodeBench's headline is pass@1."
     return "\n".join(lines + ["", note])
-
-
-HEAVY_KEYS = ("prompt_ids", "response_ids", "loss_mask", "logprobs", "text", "prompt")
 
 
 def check_problem(p):
@@ -363,13 +347,13 @@ def grade_trajectory(problem, traj, cfg):
                 tokens_before_first_call=before)
 
 
-def light(rec):
-    return {k: v for k, v in rec.items() if k not in HEAVY_KEYS}
+def light(rec):  # what the summary and a resume need: no token ids, masks or texts
+    heavy = ("prompt_ids", "response_ids", "loss_mask", "logprobs", "text", "prompt")
+    return {k: v for k, v in rec.items() if k not in heavy}
 
 
 def read_done(paths, n):
-    """uid -> n light records from earlier trajectory files (a torn line is skipped; a problem with
-    fewer than n samples is done again)."""
+    """uid -> n light records from earlier trajectory files (a torn line skipped; fewer: redone)."""
     seen = defaultdict(dict)
     for path in paths:
         for line in open(path, encoding="utf-8"):
@@ -384,10 +368,8 @@ def read_done(paths, n):
 
 
 def evaluate(model, tokenizer, problems, cfg, out_dir=None, progress=True, engine=None):
-    """Roll out, grade and summarise -> (this rank's records, summary). Each rank takes
-    problems[rank::world]; all return the same summary. With out_dir, records are appended to
-    out_dir/trajectories[.rankR].jsonl batch by batch and problems complete there are skipped.
-    engine: rl.py passes its own; else one made here serves every batch."""
+    """Roll out, grade, summarise: (this rank's records, summary); rank r takes problems[r::world].
+    out_dir: records appended to its trajectories[.rankR].jsonl, problems done there skipped."""
     import rollout
     import sandbox
     import torch
@@ -430,10 +412,8 @@ def evaluate(model, tokenizer, problems, cfg, out_dir=None, progress=True, engin
                 os.fsync(traj_file.fileno())
             records += new
             bar.update(len(batch))
-    lights = [light(r) for r in records]
-    if world > 1:  # ranks finish their shares far apart: a gather with a long timeout of its own
-        from machinery.distributed import gather_objects
-        lights = [r for part in gather_objects(lights) for r in part]
+    from machinery.distributed import gather_objects  # ranks finish far apart: a long timeout
+    lights = [r for part in gather_objects([light(r) for r in records]) for r in part]
     ks = [int(k) for k in cfg.pass_k.split(",") if k.strip()] or None
     return records, summarize(lights, ks, cfg.verl_metrics)
 
@@ -472,8 +452,7 @@ def write_filtered(problems, records, out_path):
 
 def parse_config(argv):
     from machinery.flags import parse_config as parse
-    # `--preset toy` (and no arguments): the toy's held-out set with the settings rl.py evaluates
-    # it by; --model toy: the newest toy policy (toy_policy)
+    # `--preset toy` (and no arguments): the toy's held-out set as rl.py evaluates it, toy_policy()
     preset = dict(model="toy", data=toy.HELDOUT, out=os.path.join(toy.ROOT, "eval"), **toy.EVAL)
     return parse(EvalConfig, argv, __doc__, presets={"toy": preset})
 
@@ -505,8 +484,9 @@ def toy_policy():
 
 
 def main(argv=None):
-    from machinery.distributed import (allocator_defaults, barrier, distributed, gather_objects,
-                                       print0, resolve_model, same_model, start_sandbox)
+    from machinery.distributed import (allocator_defaults, barrier, compute_dtype, distributed,
+                                       gather_objects, print0, resolve_model, same_model,
+                                       start_sandbox)
     allocator_defaults()  # before CUDA starts
     import torch
     from machinery import eval_resume
@@ -536,8 +516,7 @@ def main(argv=None):
             this = sys.modules[__name__]  # its graders are part of the key
             eval_resume.reuse_or_start_fresh(out_dir, eval_resume.key(cfg, device, this))
         barrier()
-        default = torch.bfloat16 if device.type == "cuda" else torch.float32
-        dtype = getattr(torch, cfg.dtype) if cfg.dtype else default
+        dtype = getattr(torch, cfg.dtype) if cfg.dtype else compute_dtype(device)
         model = Transformer.from_pretrained(cfg.model, device=device, dtype=dtype).eval()
         model.attn_backend = cfg.attn_backend
         if device.type == "cuda" or cfg.attn_backend == "flash":

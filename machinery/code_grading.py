@@ -1,15 +1,9 @@
-"""machinery/code_grading.py: a code problem's program against its tests, in the sandbox,
-pass/fail per test. run_tests grades the three shapes of `tests` (docs/CONTRACTS.md, "Problem
-records") as their sources do:
-  stdin (LiveCodeBench, TACO): lcb_runner's import prelude, the program as a script on each case's
-    input, the output compared by LiveCodeBench's rules (_same_output);
-  fn_name: the Solution method or top-level function called on each case's arguments, the value
-    compared by value (_call_passed; TACO/APPS's wrapped ground truth too);
-  assert-style rows (upstream's code_math): the assertion evaluated where the program never ran
-    (_AssertTest).
-The expected outputs never enter a run of the program. evaluate.score_code calls run_tests; this
-module imports sandbox (when it runs something), never evaluate.
-"""
+"""machinery/code_grading.py: a code problem's program against its tests, in the sandbox, pass/fail
+per test, for the three shapes of `tests` (docs/CONTRACTS.md, "Problem records") as their sources
+grade them: stdin (LiveCodeBench, TACO), lcb_runner's prelude and output rules (_same_output);
+fn_name, the Solution method or function's value compared by value (_call_passed); assert-style
+rows (upstream's code_math), each assertion evaluated where the program never ran (_AssertTest).
+The expected outputs never enter a run of the program. Imports sandbox to run, never evaluate."""
 
 import ast
 import json
@@ -57,9 +51,8 @@ sys.stdout.write("\\n" + {marker!r} + text + "\\n")
 
 
 def _same_output(got, expected):
-    """LiveCodeBench: strip the whole, split lines, strip each, same count, each line equal as text
-    or as lists of Decimal numbers (3 == 3.0). The counts first: no more lines are split, and no
-    more tokens made Decimals, than the expected output holds (plus one)."""
+    """LiveCodeBench: strip, split lines, strip each, same count, each line equal as text or as
+    Decimals (3 == 3.0); counted first, so no more lines or Decimals than expected (plus one)."""
     got, expected = got.strip(), expected.strip()
     if got.count("\n") != expected.count("\n"):
         return False
@@ -68,8 +61,7 @@ def _same_output(got, expected):
 
 
 def _same_numbers(got, expected):
-    """[Decimal(t) for t in got.split()] == the same of expected, token by token (\\s is split()'s
-    whitespace): never more Decimals than the expected line holds, plus one."""
+    """Equal as Decimals token by token (\\S+ as str.split()), lazily: at most one past expected."""
     try:
         return all(t is not None and w is not None and Decimal(t.group()) == Decimal(w)
                    for t, w in zip_longest(re.finditer(r"\S+", got), expected.split()))
@@ -85,20 +77,18 @@ def _call_passed(result, marker, expected, wrapped):
         got = _decode(result.stdout[at + len(marker):].strip(), {})
         want = json.loads(expected)
         got = list(got) if isinstance(got, tuple) else got     # LiveCodeBench: tuples as lists
-        # TACO/APPS ground truth is wrapped in a list: its first element passes too.
-        return got == want or (wrapped and isinstance(want, list) and len(want) > 0
-                               and got == want[0])
+        # TACO/APPS ground truth is wrapped in a list: its first element passes too
+        return got == want or (wrapped and isinstance(want, list) and want != [] and got == want[0])
     except Exception:
         return False
 
 
-# Values that cross between a solution's run and the test's side, as one JSON text: a flat table
-# of nodes, so no depth costs recursion. An atom is a JSON scalar (None, bool, str, float, int
-# under 4000 bits) or [k], node k: ["int", hex], ["complex", re, im], ["bytes", hex], ["list" |
-# "tuple" | "set" | "frozenset", [atom, ...]], ["dict", [[key, value], ...]] or ["obj", name,
-# [[field, atom], ...]] (an object of a prefix class: ListNode, TreeNode). Subclasses cross as
-# the base type (numpy scalars as Python ones); other values are refused. Decoding (in the three
-# harnesses and here) is linear and bounded: MAX_VALUES values, tuples 100 deep, 64 equal hashes.
+# Values that cross between a solution's run and the test's side, as one JSON text: a flat table of
+# nodes, so no depth costs recursion. An atom is a JSON scalar (None, bool, str, float, int under
+# 4000 bits) or [k], node k: ["int", hex], ["complex", re, im], ["bytes", hex], ["list" | "tuple" |
+# "set" | "frozenset", [atom, ...]], ["dict", [[key, value], ...]], ["obj", name, [[field, atom],
+# ...]] (a prefix class's object: ListNode, TreeNode). Subclasses cross as their base; others are
+# refused. Decoding is linear and bounded: MAX_VALUES values, tuples 100 deep, 64 equal hashes.
 CODEC = r'''
 import json as _json
 MAX_VALUES = 1 << 18      # values a table may hold (arrays, objects, commas of its text): bounded
@@ -211,9 +201,9 @@ def _decode(text, classes):
 '''
 exec(CODEC)
 
-# The solution's side of a check line (after CODEC): the row's prefix and the program, then each
-# of the line's candidate calls in order (its text from the test, or its arguments as data); the
-# arguments and value of each go out as data. Neither the assertion nor its expected value is here.
+# The solution's side of a check line (after CODEC): the prefix, the program, then each candidate
+# call (its text, or its arguments as data), its arguments and value sent out as data. Neither the
+# assertion nor its expected value is here.
 _VALUES_HARNESS = """
 import builtins, sys
 def _values(prefix, program, entry_point, param, calls, marker):
@@ -247,9 +237,8 @@ def _values(prefix, program, entry_point, param, calls, marker):
 _values({prefix!r}, {program!r}, {entry_point!r}, {param!r}, {calls!r}, {marker!r})
 """
 
-# The test's side (after CODEC): the row's prefix and check line, no code of the solution's in the
-# run; the candidate answers each call with the solution's value, rebuilt, where the arguments are
-# those the solution's run had (else it asks for this call).
+# The test's side (after CODEC): the prefix and check line, no solution code; the candidate answers
+# each call with the solution's value where its arguments match that run's, else asks for it.
 _CHECK_HARNESS = """
 import builtins, os, sys
 def _check(prefix, test, answers, marker):
@@ -279,8 +268,7 @@ _check({prefix!r}, {test!r}, {answers!r}, {marker!r})
 """
 MAX_ROUNDS = 8                     # runs of the solution for one check line, at most
 
-# Where a candidate call may be evaluated never or more than once (its value is not one per
-# call site): the test's own run learns those calls one at a time.
+# A candidate call under these may run never or more than once: the test's own run learns those.
 _BRANCHING = (ast.BoolOp, ast.IfExp, ast.Lambda, ast.ListComp, ast.SetComp, ast.DictComp,
               ast.GeneratorExp, ast.NamedExpr, ast.Await, ast.Yield, ast.YieldFrom)
 
@@ -360,10 +348,9 @@ def _literal_check(function: ast.FunctionDef, param: str):
 
 
 class _AssertTest:
-    """One check line of an assert-style row. A run of the solution sends the candidate's values
-    for the line's calls out as data; the assertion is evaluated where no code of the solution's
-    ran: here for a comparison with a literal, else in a run of the test's own (_CHECK_HARNESS),
-    which asks for each call the solution's run did not make, one more solution run each."""
+    """One check line of an assert-style row. A solution run sends the candidate's values out as
+    data; the assertion is evaluated where no solution code ran: here for a literal comparison,
+    else in the test's own run (_CHECK_HARNESS); each call that asks for: one more solution run."""
 
     def __init__(self, prefix: str, program: str, test: str, entry_point: str):
         self.prefix, self.program, self.test, self.entry = prefix, program, test, entry_point
@@ -383,12 +370,10 @@ class _AssertTest:
 
     def next_run(self) -> tuple:
         self.marker = f"@@sandbox-{self.stage}-{secrets.token_hex(8)}@@"
-        if self.stage == "solution":
-            return CODEC + _VALUES_HARNESS.format(prefix=self.prefix, program=self.program,
-                                                  entry_point=self.entry, param=self.param,
-                                                  calls=self.calls, marker=self.marker), ""
-        return CODEC + _CHECK_HARNESS.format(prefix=self.prefix, test=self.test,
-                                             answers=self.answers, marker=self.marker), ""
+        harness = _VALUES_HARNESS if self.stage == "solution" else _CHECK_HARNESS  # takes its own
+        return CODEC + harness.format(prefix=self.prefix, program=self.program, test=self.test,
+                                      entry_point=self.entry, param=self.param, calls=self.calls,
+                                      answers=self.answers, marker=self.marker), ""
 
     def take(self, result) -> None:
         at = result.stdout.rfind(self.marker)
@@ -408,8 +393,8 @@ class _AssertTest:
             self.passed = True
         elif said and said.startswith("need ") and self.rounds < MAX_ROUNDS:
             index, args = said[5:].split(" ", 1)
-            # each call asked for once, in order: a solution run that did not make the call it was
-            # given (its record forged) fails, and costs no further round
+            # each call asked for once, in order: a run that did not make the call it was given
+            # (its record forged) fails, and costs no further round
             self.passed = False if int(index) <= self.asked else None
             self.calls = self.calls[:int(index)] + [("data", args)]
             self.rounds, self.stage, self.asked = self.rounds + 1, "solution", int(index)
@@ -417,8 +402,7 @@ class _AssertTest:
             self.passed = False
 
     def _judge_here(self):
-        """The literal comparison on the decoded value; None where the value holds one of the
-        prefix's classes (the test's run rebuilds those)."""
+        """The literal comparison; None where the value holds a prefix class (the test's run's)."""
         _, kind, value = self.answers[0]
         if kind != "value":
             return False
@@ -469,9 +453,8 @@ def _tests(source, tests):
 
 
 def run_tests(program, tests, timeout=6.0, stop_on_failure=False, memory_mb=1024, sandbox=None):
-    """Per-test pass/fail of `program` on `tests`, in the sandbox, concurrent unless
-    `stop_on_failure` (one by one, the first failure fails the rest unrun). Outputs are compared
-    here, not in the sandbox."""
+    """Per-test pass/fail of `program` on `tests`, run in the sandbox, compared here; concurrent
+    unless `stop_on_failure` (one by one, the first failure fails the rest unrun)."""
     source = program if isinstance(program, str) else ""
     if not source.strip():
         return [False] * len(_tests("", tests))

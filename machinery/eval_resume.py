@@ -1,8 +1,7 @@
-"""machinery/eval_resume.py: evaluate.py reuses an earlier run's samples in the same --out only when
-everything that changes an answer or its grade is the same (the model directory's files, the
-sampling and tool settings, the problem files, the graders' source): their key is in
-<out>/resume_key.json; another key moves the old trajectories aside (trajectories*.jsonl.replaced)
-and starts fresh. One line says which it did and why."""
+"""machinery/eval_resume.py: evaluate.py reuses the samples in --out only when all that changes an
+answer or its grade is the same (model files, sampling and tool settings, problem files, graders'
+source): their key is in <out>/resume_key.json; another key moves the old trajectories aside
+(trajectories*.jsonl.replaced) and starts fresh. One line says which it did and why."""
 
 import glob
 import hashlib
@@ -31,8 +30,8 @@ def digest(paths=(), texts=()):
 
 
 def key(cfg, device, e):
-    """What the samples in --out must have been made with to be reused. e: the evaluate module
-    (passed in, so this file does not import it), for its problem files and graders' source."""
+    """What --out's samples must have been made with to be reused. e: the evaluate module (passed
+    in: under `python evaluate.py` it is __main__), for its problem files and graders' source."""
     from machinery import code_grading, final_answer
     problems = [path for _, path in e.problem_files(cfg)]
     model = sorted(p for p in glob.glob(os.path.join(cfg.model, "*")) if os.path.isfile(p))
@@ -44,8 +43,7 @@ def key(cfg, device, e):
 
 
 def reuse_or_start_fresh(out_dir, current):
-    """Rank 0, before any rollout: keep the trajectories in out_dir when they were made with the
-    same key, else move them aside; record the key; say in one line what was done and why."""
+    """Rank 0, before any rollout: keep out_dir's trajectories of this key, else move them aside."""
     path = os.path.join(out_dir, "resume_key.json")
     old = sorted(glob.glob(os.path.join(out_dir, "trajectories*.jsonl")))
     saved = json.load(open(path)) if os.path.exists(path) else None

@@ -1,6 +1,5 @@
-"""machinery/final_answer.py: the final answer in a response, and the normalisation both sides of
-the math and multiple-choice graders go through (evaluate.score_math / score_choice compare what
-these give; evaluate.py's docstring says where they depart from the paper's strict grader)."""
+"""machinery/final_answer.py: a response's final answer, and the normalisation both sides of the
+math and choice graders go through (evaluate.py's docstring: where they depart from the paper's)."""
 
 import re
 
@@ -40,8 +39,7 @@ UNIT_WORDS = set((
     "inch feet foot ft miles mile mph hours hour hrs minutes minute mins seconds second sec "
     "dollars dollar cents cent units unit square sq ways points students people days day years "
     "year pounds lbs grams gram kg liters litres ml").split())
-# dropped only inside \text{}: elsewhere a variable
-TEXT_ONLY_UNITS = {"m", "s", "g", "h", "l", "min", "cm^2"}
+TEXT_ONLY_UNITS = {"m", "s", "g", "h", "l", "min", "cm^2"}  # only inside \text{}: else a variable
 _TEXT_CMD = re.compile(r"\\(?:text|textbf|textrm|textit|mathrm|mathbf|mbox|operatorname)"
                        r"\s*\{([^{}]*)\}")
 _TEXT_UNIT = re.compile(_TEXT_CMD.pattern + r"(?:\^\{?[23]\}?)?")  # \text{cm}^2
