@@ -1,16 +1,11 @@
 """rollout.py: a paged-KV batched sampler and the multi-turn agent loop with tools.
 
 `generate` / `complete`: token-id prompts in, new ids (and log-probs) out, through an `Engine`
-(continuous batching over PagedKVCache, the reference path; machinery/fast_sampling.py's fast paths
-change only where K/V is read from; keep one Engine per process). The tokens do not depend on
-batching, preemption or tool timing (`sample`); the logits do in their last bits (CPU fp32: the same
-tokens, log-probs within 1e-5; CUDA bf16: tokens may differ with the batch shape).
-
-`rollout(model, tokenizer, problems, RolloutConfig(n=16))`: the prompt is [system] + user rendered
-with every tool of TOOLS. A turn that ends with the end-of-turn token and holds `<tool_call>` blocks
-(as verl's Hermes parser finds them) sends its first max_parallel_calls calls to their tools as
-Futures while the other trajectories keep decoding; the reply (mask 0) is the template's rendering
-of the tool messages (ChatFormat). Another end id (<|endoftext|>) ends the trajectory.
+(continuous batching over PagedKVCache; keep one per process). The tokens do not depend on batching,
+preemption or tool timing (`sample`); the logits do in their last bits (CUDA bf16: tokens may
+differ with the batch shape). `rollout(model, tokenizer, problems, RolloutConfig(n=16))`: a turn
+that ends with the end-of-turn token and holds `<tool_call>` blocks sends its calls to their tools
+as Futures while the other trajectories keep decoding (docs/DESIGN.md, "The tool-call protocol").
 
 A trajectory's ids and mask: prompt_ids + response_ids; loss_mask and logprobs one entry per
 response token, written only by Sequence.append: 1 and the sampler's log-prob for each token
@@ -115,8 +110,8 @@ class Sequence:
 
 class BlockManager:
     """Hands out cache blocks and counts their holders. A full block is registered under (previous
-    block id, its tokens), which stands for the whole prefix; a fresh sequence takes its registered
-    first blocks instead of recomputing them, but for the block of its last token (its logits)."""
+    block id, its tokens), standing for the whole prefix; a fresh sequence reuses registered blocks
+    (all but its last token's: its logits)."""
 
     def __init__(self, num_blocks, block_size, share_prefix=True):
         self.block_size, self.share_prefix = block_size, share_prefix
@@ -167,18 +162,11 @@ class BlockManager:
 class PagedKVCache:
     """Every sequence's K/V in fixed-size blocks: per layer a pool [2, blocks + 1, block_size, Hkv,
     D] (K then V, flash-attn's paged layout; the last block a spare that padded rows write to), per
-    sequence a block table. `begin` lays out one step; `attend`, model.py's seam, writes the step's
-    K/V into their slots and attends over what each holds.
-
-    Prefix sharing (BlockManager): the n samples of a prompt hold its full blocks once, and a
-    sequence may take a block a sibling fills in the same prefill step: exact only because `attend`
-    writes all of a layer's K/V before any sequence reads it (a fused kernel per sequence that read
-    first would break sharing silently). Preemption (Engine._free) asks nothing of the cache: the
-    sequence keeps its tokens and sampler state, its K/V recomputed later into new blocks.
-
-    Plain path, any device: a prefill is one SDPA call per sequence (its cached tokens read from its
-    blocks), a decode step gathers each group's blocks. machinery/fast_sampling.py's fast paths,
-    mixed over it, change only where K/V is read (row buffers; flash-attn on the pools)."""
+    sequence a block table. `attend`, model.py's seam, writes the step's K/V, then attends.
+    Prefix sharing (BlockManager): a sequence may take a block a sibling fills in the same prefill
+    step, exact only because `attend` writes all of a layer's K/V before any sequence reads it.
+    Preemption (Engine._free) asks nothing of the cache: the K/V is recomputed later. The fast paths
+    of machinery/fast_sampling.py, mixed over it, change only where K/V is read."""
 
     def __init__(self, config, num_blocks, block_size, device, dtype):
         shape = (2, num_blocks + 1, block_size, config.num_key_value_heads, config.head_dim)
@@ -217,8 +205,7 @@ class PagedKVCache:
                 upload(positions, dev, torch.long).view(shape))
 
     def _length_groups(self):
-        """Runs of rows whose longest is under twice their shortest, each padded to its longest and
-        masked: a ragged batch is not padded to its longest row."""
+        """Runs of rows whose longest is under twice their shortest, each padded to its longest."""
         lens, groups, start = self.k_lens, [], 0
         for i in range(1, len(lens) + 1):
             if i == len(lens) or 2 * lens[i] <= lens[start]:
@@ -288,9 +275,8 @@ class PagedKVCache:
 
 
 def sample(logits, temperature, top_p, top_k, uniform):
-    """One token per row by inverse CDF under softmax(logits / T) cut to the top-k, then its top-p
-    nucleus, renormalised (T 0: argmax). logits [S, V] fp32 on any device; the [S] parameters on the
-    host (no sync); top_k 0: off -> (tokens [S], log-probs [S])."""
+    """(tokens [S], log-probs [S]) by inverse CDF under softmax(logits / T), top-k, then top-p,
+    renormalised (T 0: argmax; top_k 0: off). The [S] parameters on the host: no sync."""
     any_greedy, truncate = bool((temperature == 0).any()), bool(((top_p < 1) | (top_k > 0)).any())
     temperature, top_p, top_k, uniform = (upload(x, logits.device)
                                           for x in (temperature, top_p, top_k, uniform))
@@ -336,16 +322,14 @@ def kv_budget(device, utilization=0.9, trainer_peak=0):
 
 
 class Engine:
-    """Continuous batching over a paged KV cache. Sequences queue on `waiting`; `step` runs one
-    prefill or decode step -> those that stopped in it, which keep their blocks until `release`d
-    or `resume`d with forced tokens unless memory pressure takes them (preemption: recomputed)."""
+    """Continuous batching over a paged KV cache. `step` -> the sequences that stopped in it; they
+    keep their blocks until `release`d or `resume`d, unless preempted (recomputed later)."""
 
     def __init__(self, model, max_num_seqs=256, max_prefill_tokens=8192, num_blocks=None,
                  block_size=None, max_seq_lens=None, kv_cache_bytes=None, share_prefix=True,
                  compile=False, dtype=None):
-        """The pool, sized once: num_blocks, else kv_cache_bytes (CUDA: kv_budget(), CPU: 4 GiB),
-        no more than max_seq_lens could fill. dtype: of the K/V (default: the weights'; a trainer
-        builds its engine before FSDP has gathered the bf16 weights)."""
+        """The pool, sized once: num_blocks, else kv_cache_bytes (CUDA: kv_budget(), CPU: 4 GiB)
+        capped by max_seq_lens. dtype: the K/V's (FSDP may not have gathered bf16 weights yet)."""
         self.model, cfg, param = model, model.config, next(model.parameters())
         self.device, self.dtype = param.device, dtype or param.dtype
         self.use_flash = use_flash(getattr(model, "attn_backend", "auto"), self.device, self.dtype)
@@ -399,8 +383,7 @@ class Engine:
             self.waiting.appendleft(seq)
 
     def _reclaim(self):
-        """Nothing runs and the queue head does not fit: free the newest sequence waiting on a
-        tool, else the newest queued behind the head. False if none holds blocks."""
+        """Free the newest sequence waiting on a tool, else behind the queue head; False if none."""
         for seq in [*reversed(self.held), *reversed(list(self.waiting)[1:])]:
             if seq.block_table:
                 self._free(seq)
@@ -506,8 +489,7 @@ def sequence_seed(seed, index):
 
 def complete(model, prompts, max_new_tokens, temperature=0.0, top_p=1.0, top_k=0,
              stop_token_ids=(), seed=None, raw_logprobs=False, engine=None, **engine_kwargs):
-    """generate with per-token log-probs and finish reasons; max_new_tokens: an int or one per
-    prompt; engine: one to reuse (engine_kwargs are then ignored)."""
+    """generate with log-probs and finish reasons; max_new_tokens: an int or one per prompt."""
     one_each = not isinstance(max_new_tokens, int)
     budgets = list(max_new_tokens) if one_each else [max_new_tokens] * len(prompts)
     if engine is None:
@@ -529,18 +511,16 @@ def complete(model, prompts, max_new_tokens, temperature=0.0, top_p=1.0, top_k=0
 
 def generate(model, prompts, max_new_tokens, temperature=0.0, top_p=1.0, stop_token_ids=(),
              seed=None, **kwargs):
-    """prompts: token-id lists -> the new ids of each, a stop token included; temperature 0 is
-    greedy. kwargs: top_k, and Engine options (max_num_seqs, num_blocks, block_size, ...)."""
+    """Token-id prompts -> the new ids of each (a stop token included); kwargs: top_k, engine=,
+    or Engine options."""
     return [c.token_ids for c in complete(model, prompts, max_new_tokens, temperature, top_p,
                                           stop_token_ids=stop_token_ids, seed=seed, **kwargs)]
 
 
 class ChatFormat:
-    """Token ids of the chat protocol, from the tokenizer's chat template and generation config.
-    The one rule (docs/DESIGN.md): message text never becomes an added token. `mark` swaps each
-    added-token string in message text for a private-use character before rendering; `encode`
-    splits the rendering at the added tokens left (the template's) and tokenizes the rest as plain
-    text, the marks turned back. Forced turns: a rendering of placeholders, cut there (`pieces`)."""
+    """Token ids of the chat protocol. The one rule (docs/DESIGN.md): message text never becomes
+    an added token. `mark` swaps added-token strings in message text for private-use characters;
+    `encode` splits the rendering at the added tokens left (the template's), the rest plain text."""
 
     ASSISTANT, CONTENT = "ASSISTANT_PLACEHOLDER_5f1c", "CONTENT_PLACEHOLDER_{}_9d2e"
     PROBE = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": ASSISTANT}]
@@ -609,8 +589,7 @@ class ChatFormat:
         return ids
 
     def plain_ids(self, text):
-        """text through the normalizer, pre-tokenizer and model only: the added-token pass (which
-        split_special_tokens turns off for special tokens only) never runs."""
+        """Never the added-token pass (split_special_tokens skips it for special tokens only)."""
         backend = self.tokenizer.backend_tokenizer
         text = backend.normalizer.normalize_str(text) if backend.normalizer else text
         pre = backend.pre_tokenizer
@@ -623,8 +602,7 @@ class ChatFormat:
         return self.encode(self.render(messages, True))
 
     def pieces(self, role, n):
-        """The n + 1 template strings around n `role` messages after an assistant's end-of-turn
-        token, up to the next generation prompt: the forced (mask 0) part of a reply."""
+        """The n + 1 template strings around n `role` messages: a reply's forced (mask 0) part."""
         if (role, n) not in self._pieces:
             slots = [self.CONTENT.format(i) for i in range(n)]
             text = self.render(self.PROBE + [{"role": role, "content": s} for s in slots], True)
@@ -651,9 +629,8 @@ class Tool:
 
 
 def call_outcome(refusal, future):
-    """(status, reply text) of one tool call, the one place a status is decided: a refusal (a call
-    never run) "bad_call"; else from the Future: raised "error", a str "ok", (status, text) the
-    tool's own (run_code: the sandbox's; docs/SANDBOX.md, 'Statuses')."""
+    """(status, reply) of one call, the one place a status is decided: a refusal "bad_call"; else
+    from the Future: raised "error", a str "ok", (status, text) the tool's own (docs/SANDBOX.md)."""
     if refusal is not None:
         status, text = "bad_call", refusal
     else:
@@ -705,9 +682,9 @@ def parse_json(text, max_depth=64):
 
 
 def parse_tool_calls(text, max_calls=1):
-    """One turn's calls, in order: (name, arguments, refusal), refusal None or the reply to a
-    malformed call. The blocks verl's HermesToolParser finds, in one pass: the first max_calls that
-    parse and the first max_calls that do not (verl drops them), and a <tool_call> left open."""
+    """[(name, arguments, refusal: None or the reply to a malformed call)] of the blocks verl's
+    HermesToolParser finds: the first max_calls that parse, the first max_calls that do not (verl
+    drops them), and a <tool_call> left open."""
     calls, parsed, bad, at = [], 0, 0, text.find("<tool_call>")
     while at >= 0 and (end := text.find("</tool_call>", at)) >= 0:
         body, at = text[at + len("<tool_call>"):end], text.find("<tool_call>", end)
@@ -742,16 +719,14 @@ class Agent:
 
 
 class AgentLoop:
-    """Sample a turn, run its tool calls off the batch, force the reply, resume; the engine keeps
-    decoding the other trajectories while tools run."""
+    """Sample a turn, run its tool calls off the batch, force the reply, resume."""
 
     def __init__(self, engine, chat, config, sandbox=None, tools=None):
         self.engine, self.chat, self.config = engine, chat, config
         self.sandbox, self.tools = sandbox, tools or TOOLS
 
     def run(self, prompts, keys, seeds=None):
-        """keys: (problem_index, sample_index) per prompt; seeds: one per prompt (default: from
-        config.seed and the position) -> the Agents."""
+        """keys: (problem_index, sample_index) per prompt; seeds: one per prompt -> the Agents."""
         cfg = self.config
         params = SamplingParams(cfg.temperature, cfg.top_p, cfg.top_k, cfg.max_response_tokens,
                                 self.chat.stop_ids)
@@ -796,8 +771,7 @@ class AgentLoop:
         return self._finish(agent, reason)
 
     def _dispatch(self, agent, name, arguments, refusal):
-        """(call record, refusal, Future) of one parsed call: sent to its tool unless refused (also
-        an unknown tool, or arguments the tool rejects), then resolved at once."""
+        """(call record, refusal, Future): sent to its tool unless refused, then resolved now."""
         turn = agent.num_turns - 1
         record = {"name": name, "arguments": arguments, "status": None, "output": "", "turn": turn}
         future = concurrent.futures.Future()
@@ -839,8 +813,7 @@ def rollout(model, tokenizer, problems, config, sandbox=None, seeds=None, engine
             **engine_kwargs):
     """config.n trajectories per problem, grouped by problem. sandbox: has submit(code, timeout,
     memory_mb) -> Future[Result] (maybe prepare_code, format_tool_output; default: the sandbox
-    module). seeds: one per problem: sample j of problem i draws the same tokens whichever problems
-    share the call. engine: one to reuse, else engine_kwargs make one. tools: default TOOLS."""
+    module). seeds: one per problem: sample j of problem i draws the same tokens in any batch."""
     chat = chat_format(tokenizer, config, tools)
     if seeds is not None and len(seeds) != len(problems):
         raise ValueError(f"{len(seeds)} seeds for {len(problems)} problems")
