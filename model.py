@@ -161,8 +161,7 @@ def sdpa(q, k, v, mask=None, strict=None):
     if not (strict and q.is_cuda and q.shape[2] * k.shape[2] >= 1 << 22):
         return F.scaled_dot_product_attention(q, k, v, **args)
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    fused = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
-             SDPBackend.CUDNN_ATTENTION]
+    fused = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
     with sdpa_kernel(fused):
         return F.scaled_dot_product_attention(q, k, v, **args)
 
@@ -417,8 +416,7 @@ class Transformer(nn.Module):
                 state.update({k: f.get_tensor(k).to(dtype=dtype) for k in f.keys()})
         if config.tie_word_embeddings:
             state.pop("lm_head.weight", None)
-        # HF names -> the fused tensors
-        for key in [k for k in state if ".q_proj." in k or ".gate_proj." in k]:
+        for key in [k for k in state if ".q_proj." in k or ".gate_proj." in k]:  # HF -> fused
             prefix, name, kind = key.rsplit(".", 2)
             fused = next(f for f, parts in FUSED.items() if parts[0] == name)
             pieces = [state.pop(f"{prefix}.{p}.{kind}") for p in FUSED[fused]]
@@ -441,8 +439,7 @@ class Transformer(nn.Module):
         d = cfg.head_dim
         sizes = {"qkv_proj": [cfg.num_attention_heads * d] + [cfg.num_key_value_heads * d] * 2,
                  "gate_up_proj": [cfg.intermediate_size] * 2}
-        # the fused tensors -> HF names (views)
-        for key in [k for k in state if k.rsplit(".", 2)[-2] in FUSED]:
+        for key in [k for k in state if k.rsplit(".", 2)[-2] in FUSED]:  # fused -> HF (views)
             prefix, fused, kind = key.rsplit(".", 2)
             for name, part in zip(FUSED[fused], state.pop(key).split(sizes[fused])):
                 state[f"{prefix}.{name}.{kind}"] = part.contiguous()

@@ -9,8 +9,7 @@ as Futures while the other trajectories keep decoding (docs/DESIGN.md, "The tool
 
 A trajectory's ids and mask: prompt_ids + response_ids; loss_mask and logprobs one entry per
 response token, written only by Sequence.append: 1 and the sampler's log-prob for each token
-Engine.step samples, 0 and 0.0 for forced ones (Engine.resume: a tool reply, the template pieces
-after the sampled end-of-turn token up to the next generation prompt, ChatFormat.forced_ids;
+Engine.step samples, 0 and 0.0 for forced ones (Engine.resume: a tool reply, ChatFormat.forced_ids;
 AgentLoop._answer: a reply cut at the budget). rl.py takes Trajectory.loss_mask as a sample's "mask"
 and shifts it (rl.micro_tensors): mask entry i (response token i, at position prompt_len + i)
 belongs to the target at position prompt_len - 1 + i. Only sampled tokens count in the loss.
@@ -290,7 +289,6 @@ def sample(logits, temperature, top_p, top_k, uniform):
         keep = rank < torch.where(top_k > 0, top_k, len(rank))[:, None]
         p_k = p * keep
         p_k = p_k / p_k.sum(-1, keepdim=True)
-        # kept if the mass before it < top_p
         keep &= ((p_k.cumsum(-1) - p_k) < top_p[:, None]) | (top_p[:, None] >= 1)
         p = p * keep
     cdf = p.cumsum(-1)
@@ -410,12 +408,11 @@ class Engine:
                                    f"{self.num_blocks}")
             if batch and tokens + len(seq) - seq.num_cached > self.max_prefill_tokens:
                 break
-            self.waiting.popleft()
             before = seq.num_cached
             self._grow(seq)
             self.stats["shared_tokens"] += seq.num_cached - before
             tokens += len(seq) - seq.num_cached
-            batch.append(seq)
+            batch.append(self.waiting.popleft())
         return batch
 
     def _schedule_decode(self):
@@ -579,22 +576,19 @@ class ChatFormat:
         return text.translate(self._unmark)
 
     def encode(self, text):
-        """Ids of a (marked) rendering: the template's added tokens, the rest as plain text."""
-        ids = []
+        """Ids of a (marked) rendering: the template's added tokens, the rest as plain text through
+        normalizer, pre-tokenizer and model (split_special_tokens would still match added tokens
+        that are not special)."""
+        ids, backend = [], self.tokenizer.backend_tokenizer
+        norm, pre = backend.normalizer, backend.pre_tokenizer
         for j, part in enumerate(self._added_re.split(text)):
             if j % 2:
                 ids.append(self.added_ids[part])
             elif part:
-                ids += self.plain_ids(self.unmark(part))
+                part = norm.normalize_str(self.unmark(part)) if norm else self.unmark(part)
+                words = pre.pre_tokenize_str(part) if pre else [(part, None)]
+                ids += [t.id for word, _ in words for t in backend.model.tokenize(word)]
         return ids
-
-    def plain_ids(self, text):
-        """Never the added-token pass (split_special_tokens skips it for special tokens only)."""
-        backend = self.tokenizer.backend_tokenizer
-        text = backend.normalizer.normalize_str(text) if backend.normalizer else text
-        pre = backend.pre_tokenizer
-        words = pre.pre_tokenize_str(text) if pre else [(text, None)]
-        return [t.id for word, _ in words for t in backend.model.tokenize(word)]
 
     def prompt_ids(self, prompt, system=None):
         system = [{"role": "system", "content": system}] if system is not None else []
