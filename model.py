@@ -1,14 +1,12 @@
 """model.py: the Qwen2 / Qwen3 decoder in plain PyTorch, shared by the sampler and both trainers.
 
 RMSNorm, rotary embeddings, grouped-query attention, Qwen3's q/k RMSNorm, Qwen2's q/k/v biases,
-SwiGLU, tied or untied embeddings; q/k/v and gate/up each one matmul (fused, as vLLM does).
-Loads and saves Hugging Face checkpoints (config.json of transformers 4.x or 5.x) via the meta
-device. Packed input: input_ids [1, N] plus cu_seqlens, attention inside each sequence. `kv_cache`:
-any object with attend(layer, q, k, v) -> out (rollout.py's paged KV caches).
+SwiGLU, tied or untied embeddings; q/k/v and gate/up each one matmul (fused, as vLLM does); Hugging
+Face checkpoints in and out. Packed input: input_ids [1, N] plus cu_seqlens. `kv_cache`: any object
+with attend(layer, q, k, v) -> out (rollout.py's paged KV caches).
 
-No departure from the paper's math. The paper samples with vLLM and trains with verl; this module
-does both, same weights, different attention kernels: log-probs agree to rounding, not bit for bit
-(rl.py's sampler_mismatch). attention_path() says which kernels run here and why.
+No departure from the paper's math. Its vLLM sampling and verl training run here on the same
+weights with other attention kernels: log-probs agree to rounding (rl.py's sampler_mismatch).
 """
 
 import json
@@ -150,9 +148,8 @@ def attention_path(backend, device, dtype):
 
 def sdpa(q, k, v, mask=None, strict=None):
     """SDPA over [B, H, T, D] with GQA, causal unless given a boolean mask (True: attend). strict
-    (default: on CUDA) keeps it off the math kernel and its fp32 [H, q, k] scores (tens of GB for a
-    long prefill): no fused kernel takes a mask with unequal head counts, so K/V are expanded first,
-    and a long call disallows the math kernel: a fallback is an error, not an OOM."""
+    (default: on CUDA) keeps it off the math kernel's fp32 [H, q, k] scores (tens of GB): K/V are
+    expanded where no fused kernel takes GQA (a mask, fp32); a long call's fallback is an error."""
     strict = q.is_cuda if strict is None else strict
     groups = q.shape[1] // k.shape[1]
     if strict and groups > 1 and (mask is not None or q.dtype == torch.float32):
@@ -250,10 +247,9 @@ class Block(nn.Module):
 
 
 class _ChunkedLogprobs(torch.autograd.Function):
-    """log p(target) and entropy from hidden states, a chunk of tokens at a time: never a full
-    [N, V] fp32 logits tensor. Backward recomputes the logits one vocabulary block at a time: each
-    block of the weight gradient one matmul (no cross-chunk rounding in bf16), the hidden-state
-    gradient summed in fp32."""
+    """log p(target) and entropy, a chunk of tokens at a time: never a full [N, V] fp32 logits
+    tensor. Backward recomputes the logits a vocabulary block at a time: each weight-gradient block
+    one matmul (no cross-chunk rounding in bf16), the hidden-state gradient summed in fp32."""
 
     @staticmethod
     def forward(ctx, h, weight, targets, temperature, want_entropy, block_bytes):
