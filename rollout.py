@@ -109,8 +109,7 @@ class Sequence:
 
 class BlockManager:
     """Hands out cache blocks and counts their holders. A full block is registered under (previous
-    block id, its tokens), standing for the whole prefix; a fresh sequence reuses registered blocks
-    (all but its last token's: its logits)."""
+    block id, its tokens): a fresh sequence reuses those of its prefix, but its last token's."""
 
     def __init__(self, num_blocks, block_size, share_prefix=True):
         self.block_size, self.share_prefix = block_size, share_prefix
@@ -161,11 +160,9 @@ class BlockManager:
 class PagedKVCache:
     """Every sequence's K/V in fixed-size blocks: per layer a pool [2, blocks + 1, block_size, Hkv,
     D] (K then V, flash-attn's paged layout; the last block a spare that padded rows write to), per
-    sequence a block table. `attend`, model.py's seam, writes the step's K/V, then attends.
-    Prefix sharing (BlockManager): a sequence may take a block a sibling fills in the same prefill
-    step, exact only because `attend` writes all of a layer's K/V before any sequence reads it.
-    Preemption (Engine._free) asks nothing of the cache: the K/V is recomputed later. The fast paths
-    of machinery/fast_sampling.py, mixed over it, change only where K/V is read."""
+    sequence a block table. Prefix sharing (BlockManager) may hand a block that a sibling fills in
+    the same prefill step: exact only as `attend` (model.py's seam) writes all of a layer's K/V
+    before any sequence reads it. machinery/fast_sampling.py changes only where K/V is read."""
 
     def __init__(self, config, num_blocks, block_size, device, dtype):
         shape = (2, num_blocks + 1, block_size, config.num_key_value_heads, config.head_dim)
@@ -456,9 +453,8 @@ class Engine:
             full = seq.num_response >= seq.params.max_tokens
             seq.finish_reason = "stop" if stop else "length" if full else None
         stopped = [seq for seq in batch if seq.finish_reason]
-        if stopped:
-            self.running = deque(s for s in self.running if s.finish_reason is None)
-            self.held += stopped
+        self.running = deque(s for s in self.running if s.finish_reason is None)
+        self.held += stopped
         return stopped
 
     def _sample(self, batch, logits):
@@ -508,8 +504,7 @@ def complete(model, prompts, max_new_tokens, temperature=0.0, top_p=1.0, top_k=0
 
 def generate(model, prompts, max_new_tokens, temperature=0.0, top_p=1.0, stop_token_ids=(),
              seed=None, **kwargs):
-    """Token-id prompts -> the new ids of each (a stop token included); kwargs: top_k, engine=,
-    or Engine options."""
+    """Token-id prompts -> the new ids of each, a stop token included; kwargs as complete."""
     return [c.token_ids for c in complete(model, prompts, max_new_tokens, temperature, top_p,
                                           stop_token_ids=stop_token_ids, seed=seed, **kwargs)]
 
@@ -638,8 +633,7 @@ def call_outcome(refusal, future):
 
 
 def run_code(arguments, sandbox, config):
-    """The code interpreter: the first ```python fence, the last bare expression printed, run in
-    the sandbox -> (status, output cut to tool_output_chars)."""
+    """The code interpreter (sandbox.prepare_code) -> Future of (status, output cut to length)."""
     import sandbox as sandbox_module
     code = arguments.get("code")
     if not isinstance(code, str):
