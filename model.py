@@ -1,18 +1,12 @@
 """model.py: the Qwen2 / Qwen3 decoder in plain PyTorch, shared by the sampler and both trainers.
 
 RMSNorm, rotary embeddings, grouped-query attention, Qwen3's q/k RMSNorm, Qwen2's q/k/v biases,
-SwiGLU, tied or untied embeddings; q/k/v and gate/up each one matmul (fused, as vLLM does).
-from_pretrained / save_pretrained convert from and to the Hugging Face names and config.json
-(transformers 4.x or 5.x), loading on the meta device, then tensor by tensor onto the target.
-`token_logprobs` never makes full-vocabulary fp32 logits for a whole sequence (_ChunkedLogprobs).
-Packed input: input_ids [1, N] plus cu_seqlens (cu_seqlens_from_lengths), attention inside each
-sequence (flash-attn varlen where use_flash() picks it, else one SDPA call per sequence).
-`kv_cache`: any object with attend(layer, q, k, v) -> out (rollout.py's paged KV caches).
+SwiGLU, tied or untied embeddings; q/k/v and gate/up each one matmul (fused, as vLLM does); Hugging
+Face checkpoints in and out. Packed input: input_ids [1, N] plus cu_seqlens. `kv_cache`: any object
+with attend(layer, q, k, v) -> out (rollout.py's paged KV caches).
 
-No departure from the paper's math. Where the paper samples with vLLM and trains with verl, this
-one module does both, with the same weights but different attention kernels (paged cache, packed
-sequences): their log-probs agree to rounding, not bit for bit (rl.py's sampler_mismatch).
-attention_path() says which kernels run here and why.
+No departure from the paper's math. Its vLLM sampling and verl training run here on the same
+weights with other attention kernels: log-probs agree to rounding (rl.py's sampler_mismatch).
 """
 
 import json
@@ -99,8 +93,7 @@ class ModelConfig:
 class RMSNorm(nn.Module):
     def __init__(self, dim, eps):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
+        self.weight, self.eps = nn.Parameter(torch.ones(dim)), eps
 
     def forward(self, x):
         # normalised in fp32, the weight applied in the input dtype, as the reference; fp32: one op
@@ -154,12 +147,9 @@ def attention_path(backend, device, dtype):
 
 
 def sdpa(q, k, v, mask=None, strict=None):
-    """SDPA over [B, H, T, D], causal when mask is None (else the boolean mask, True: attend), K/V
-    heads shared by groups of query heads. strict (default: on CUDA) keeps it off the math kernel,
-    which would materialise fp32 [H, q, k] scores (tens of GB for a long prefill): no fused kernel
-    takes a mask with unequal head counts (flash takes no mask, memory-efficient no GQA), so K/V
-    are expanded to the query heads first, and a long call disallows the math kernel: a fallback
-    is an error, not an OOM."""
+    """SDPA over [B, H, T, D] with GQA, causal unless given a boolean mask (True: attend). strict
+    (default: on CUDA) keeps it off the math kernel's fp32 [H, q, k] scores (tens of GB): K/V are
+    expanded where no fused kernel takes GQA (a mask, fp32); a long call's fallback is an error."""
     strict = q.is_cuda if strict is None else strict
     groups = q.shape[1] // k.shape[1]
     if strict and groups > 1 and (mask is not None or q.dtype == torch.float32):
@@ -168,8 +158,7 @@ def sdpa(q, k, v, mask=None, strict=None):
     if not (strict and q.is_cuda and q.shape[2] * k.shape[2] >= 1 << 22):
         return F.scaled_dot_product_attention(q, k, v, **args)
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    fused = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
-             SDPBackend.CUDNN_ATTENTION]
+    fused = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
     with sdpa_kernel(fused):
         return F.scaled_dot_product_attention(q, k, v, **args)
 
@@ -180,27 +169,22 @@ def attention(q, k, v, packed=None, backend="auto"):
     B, T = q.shape[:2]
     if use_flash(backend, q.device, q.dtype):
         if packed is None:  # each of the B rows one sequence of length T
-            cu = torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=q.device)
-            longest = T
-        else:
-            cu, _, longest = packed
+            packed = torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=q.device), None, T
+        cu, _, longest = packed
         out = flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1),
                                      cu, cu, longest, longest, causal=True)
         return out.view(B, T, *out.shape[1:])
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))                                 # [B, H, T, D]
     if packed is None:
-        out = sdpa(q, k, v)
-    else:  # one causal attention per packed sequence, never across them
-        bounds = packed[1]
-        out = torch.cat([sdpa(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e])
-                         for s, e in zip(bounds, bounds[1:])], 2)
-    return out.transpose(1, 2)
+        return sdpa(q, k, v).transpose(1, 2)
+    bounds = packed[1]  # one causal attention per packed sequence, never across them
+    out = [sdpa(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e]) for s, e in zip(bounds, bounds[1:])]
+    return torch.cat(out, 2).transpose(1, 2)
 
 
 class Linear(nn.Linear):
-    """nn.Linear that multiplies by `weight_t`, a contiguous [in, out] copy of its weight, while one
-    is set (fast_sampling.CpuForward, for CPU decode, which streams every weight each step): MKL
-    then runs x @ W^T without repacking W (8% of the rollout bench's wall time)."""
+    """Multiplies by `weight_t`, a contiguous [in, out] copy of the weight, while one is set (CPU
+    decode: fast_sampling.CpuForward): MKL then skips repacking W (8% of the rollout bench)."""
     weight_t = None
 
     def forward(self, x):
@@ -214,10 +198,8 @@ class Linear(nn.Linear):
 class Attention(nn.Module):
     def __init__(self, cfg, layer_idx):
         super().__init__()
-        self.layer_idx = layer_idx
-        self.n_heads = cfg.num_attention_heads
-        self.n_kv = cfg.num_key_value_heads
-        self.head_dim = cfg.head_dim
+        self.layer_idx, self.head_dim = layer_idx, cfg.head_dim
+        self.n_heads, self.n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
         qkv_size = (self.n_heads + 2 * self.n_kv) * self.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, qkv_size, bias=cfg.qkv_bias)
         self.o_proj = Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
@@ -235,10 +217,8 @@ class Attention(nn.Module):
                                 self.k_norm.weight.expand(self.n_kv, -1)])
             qk = weight * F.rms_norm(qk.float(), (self.head_dim,), eps=self.q_norm.eps).to(qk.dtype)
         q, k = apply_rope(qk, cos, sin).split([self.n_heads, self.n_kv], dim=2)
-        if kv_cache is not None:
-            out = kv_cache.attend(self.layer_idx, q, k, v)
-        else:
-            out = attention(q, k, v, packed, backend)
+        out = (attention(q, k, v, packed, backend) if kv_cache is None
+               else kv_cache.attend(self.layer_idx, q, k, v))
         return self.o_proj(out.reshape(B, T, -1))
 
 
@@ -267,18 +247,15 @@ class Block(nn.Module):
 
 
 class _ChunkedLogprobs(torch.autograd.Function):
-    """log p(target) and entropy from hidden states, chunk of tokens by chunk, keeping only
-    per-token results (log p, log-sum-exp, entropy): never a full [N, V] fp32 logits tensor.
-    Backward recomputes the logits one vocabulary block at a time: each block of the weight
-    gradient is one matmul (no cross-chunk rounding in bf16), the hidden-state gradient summed in
-    fp32. Extra memory: a few fp32 blocks of `block_bytes`."""
+    """log p(target) and entropy, a chunk of tokens at a time: never a full [N, V] fp32 logits
+    tensor. Backward recomputes the logits a vocabulary block at a time: each weight-gradient block
+    one matmul (no cross-chunk rounding in bf16), the hidden-state gradient summed in fp32."""
 
     @staticmethod
     def forward(ctx, h, weight, targets, temperature, want_entropy, block_bytes):
         N, V = h.shape[0], weight.shape[0]          # h [N, D], weight [V, D], targets [N]
         logp = torch.empty(N, dtype=torch.float32, device=h.device)
-        lse = torch.empty_like(logp)
-        ent = torch.zeros_like(logp)
+        lse, ent = torch.empty_like(logp), torch.zeros_like(logp)
         chunk = max(1, block_bytes // (4 * V))
         for s in range(0, N, chunk):
             z = (h[s:s + chunk] @ weight.t()).float().div_(temperature)   # [c, V]
@@ -308,10 +285,8 @@ class _ChunkedLogprobs(torch.autograd.Function):
             logp_all = (h @ w.t()).float().div_(ctx.temperature).sub_(lse[:, None])   # [N, Vc]
             p = logp_all.exp()
             # d log p[target] / dz = onehot - p;  dH / dz = -p (log p + H)
-            if g_ent is not None:
-                gz = logp_all.add_(ent[:, None]).mul_(-g_ent).sub_(g_logp).mul_(p)
-            else:
-                gz = p.mul_(-g_logp)
+            gz = (p.mul_(-g_logp) if g_ent is None
+                  else logp_all.add_(ent[:, None]).mul_(-g_ent).sub_(g_logp).mul_(p))
             # + g_logp at each row's target if in this block (a masked scatter: no host sync)
             inside = (targets >= c) & (targets < c + w.shape[0])
             index = (targets - c).clamp(0, w.shape[0] - 1)[:, None]
@@ -368,9 +343,8 @@ class Transformer(nn.Module):
         return self.model.norm(x)
 
     def rope(self, positions, dtype):
-        """rope_cos_sin(positions): on CPU indexed from a table of the first 2^k positions (remade
-        past its end or for another dtype), not recomputed every decode step; on CUDA and when
-        compiled, computed (no host read)."""
+        """rope_cos_sin(positions): on CPU from a table of the first 2^k positions, not recomputed
+        every decode step; on CUDA and when compiled, computed (no host read)."""
         cfg = self.config
         if positions.is_cuda or torch.compiler.is_compiling():
             return rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, dtype)
@@ -388,8 +362,8 @@ class Transformer(nn.Module):
 
     def token_logprobs(self, input_ids, targets, positions=None, cu_seqlens=None,
                        return_entropy=False, temperature=1.0, block_bytes=2**27):
-        """log p(targets[:, t] | input_ids[:, :t+1]) as fp32 [B, T] (and the entropy of each
-        position's distribution [B, T]); extra memory a few fp32 blocks of block_bytes (128 MB)."""
+        """log p(targets[:, t] | input_ids[:, :t+1]) as fp32 [B, T] (and each position's entropy);
+        extra memory a few fp32 blocks of block_bytes (_ChunkedLogprobs)."""
         h = self.hidden(input_ids, positions, cu_seqlens)
         B, T, D = h.shape
         logp, ent = _ChunkedLogprobs.apply(h.reshape(B * T, D), self.lm_head.weight,
@@ -438,8 +412,7 @@ class Transformer(nn.Module):
                 state.update({k: f.get_tensor(k).to(dtype=dtype) for k in f.keys()})
         if config.tie_word_embeddings:
             state.pop("lm_head.weight", None)
-        # HF names -> the fused tensors
-        for key in [k for k in state if ".q_proj." in k or ".gate_proj." in k]:
+        for key in [k for k in state if ".q_proj." in k or ".gate_proj." in k]:  # HF -> fused
             prefix, name, kind = key.rsplit(".", 2)
             fused = next(f for f, parts in FUSED.items() if parts[0] == name)
             pieces = [state.pop(f"{prefix}.{p}.{kind}") for p in FUSED[fused]]
@@ -462,8 +435,7 @@ class Transformer(nn.Module):
         d = cfg.head_dim
         sizes = {"qkv_proj": [cfg.num_attention_heads * d] + [cfg.num_key_value_heads * d] * 2,
                  "gate_up_proj": [cfg.intermediate_size] * 2}
-        # the fused tensors -> HF names (views)
-        for key in [k for k in state if k.rsplit(".", 2)[-2] in FUSED]:
+        for key in [k for k in state if k.rsplit(".", 2)[-2] in FUSED]:  # fused -> HF (views)
             prefix, fused, kind = key.rsplit(".", 2)
             for name, part in zip(FUSED[fused], state.pop(key).split(sizes[fused])):
                 state[f"{prefix}.{name}.{kind}"] = part.contiguous()

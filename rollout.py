@@ -1,28 +1,18 @@
 """rollout.py: a paged-KV batched sampler and the multi-turn agent loop with tools.
 
 `generate` / `complete`: token-id prompts in, new ids (and log-probs) out, through an `Engine`
-(continuous batching over PagedKVCache, the reference path; the fast paths of
-machinery/fast_sampling.py change only where K/V is read from; keep one Engine per process). The
-tokens do not depend on batching, preemption or tool timing (`sample`); the logits do in their last
-bits (CPU fp32: the same tokens, log-probs within 1e-5; CUDA bf16: tokens may differ with the batch
-shape).
-
-`rollout(model, tokenizer, problems, RolloutConfig(n=16))`: the prompt is [system] + user rendered
-with every tool of TOOLS (the code interpreter; a fork adds its own, see Tool). A turn that ends
-with the end-of-turn token and holds `<tool_call>` blocks (found as verl's Hermes parser finds them,
-inside <think> too) sends its first max_parallel_calls calls to their tools as Futures while the
-other trajectories keep decoding. The reply (mask 0) is the template's rendering of the tool
-messages; message text never becomes an added token (ChatFormat). Token in, token out. Another end
-id (<|endoftext|>) ends the trajectory.
+(continuous batching over PagedKVCache; keep one per process). The tokens do not depend on batching,
+preemption or tool timing (`sample`); the logits do in their last bits (CUDA bf16: tokens may
+differ with the batch shape). `rollout(model, tokenizer, problems, RolloutConfig(n=16))`: a turn
+that ends with the end-of-turn token and holds `<tool_call>` blocks sends its calls to their tools
+as Futures while the other trajectories keep decoding (docs/DESIGN.md, "The tool-call protocol").
 
 A trajectory's ids and mask: prompt_ids + response_ids; loss_mask and logprobs one entry per
 response token, written only by Sequence.append: 1 and the sampler's log-prob for each token
-Engine.step samples, 0 and 0.0 for forced ones (Engine.resume: a tool reply, the template pieces
-after the sampled end-of-turn token up to the next generation prompt, ChatFormat.forced_ids;
-AgentLoop._answer: a reply cut at the budget). rl.py takes Trajectory.loss_mask as a sample's
-"mask" (sft.py makes its own: sft.render) and shifts it (rl.micro_tensors): position t predicts
-token t + 1, so mask entry i (response token i, at position prompt_len + i) belongs to the target
-at position prompt_len - 1 + i. Only sampled tokens count in the loss and gradient.
+Engine.step samples, 0 and 0.0 for forced ones (Engine.resume: a tool reply, ChatFormat.forced_ids;
+AgentLoop._answer: a reply cut at the budget). rl.py takes Trajectory.loss_mask as a sample's "mask"
+and shifts it (rl.micro_tensors): mask entry i (response token i, at position prompt_len + i)
+belongs to the target at position prompt_len - 1 + i. Only sampled tokens count in the loss.
 
 Departures from the paper (vLLM inside verl's agent loop): plain PyTorch, no cache of freed prefix
 blocks; a malformed call gets a short error reply (status bad_call) where verl drops it; a reply
@@ -87,8 +77,6 @@ Completion = namedtuple("Completion", "token_ids logprobs raw_logprobs finish_re
 
 
 class Sequence:
-    """One sequence's tokens, sampling state and place in the KV cache."""
-
     def __init__(self, prompt_ids, params, seed):
         if not prompt_ids:
             raise ValueError("empty prompt")
@@ -121,9 +109,7 @@ class Sequence:
 
 class BlockManager:
     """Hands out cache blocks and counts their holders. A full block is registered under (previous
-    block id, its tokens), exact since the previous block stands for the whole prefix; a fresh
-    sequence takes its registered first blocks instead of recomputing them, except the block of its
-    last token (its logits)."""
+    block id, its tokens): a fresh sequence reuses those of its prefix, but its last token's."""
 
     def __init__(self, num_blocks, block_size, share_prefix=True):
         self.block_size, self.share_prefix = block_size, share_prefix
@@ -174,21 +160,9 @@ class BlockManager:
 class PagedKVCache:
     """Every sequence's K/V in fixed-size blocks: per layer a pool [2, blocks + 1, block_size, Hkv,
     D] (K then V, flash-attn's paged layout; the last block a spare that padded rows write to), per
-    sequence a block table. `begin` lays out one step; `attend`, model.py's seam, writes the step's
-    K/V into their slots and attends over what each holds.
-
-    Prefix sharing (BlockManager): the n samples of a prompt hold its full blocks once, and a
-    sequence may take a block that a sibling fills in the same prefill step. Exact only because
-    `attend` writes all of the step's K/V in a layer before any sequence reads that layer's blocks:
-    a reordering that reads first (a fused kernel per sequence, say) would break sharing silently.
-
-    Preemption (Engine._free) asks nothing of the cache: the sequence keeps its tokens and sampler
-    state and is prefilled again later, its K/V recomputed into whatever blocks it gets.
-
-    The plain path, on any device: a prefill is one SDPA call per sequence (its cached tokens read
-    from its blocks), a decode step gathers each group's blocks. The fast paths of
-    machinery/fast_sampling.py, mixed over it, change only where K/V is read (row buffers;
-    flash-attn on the pools)."""
+    sequence a block table. Prefix sharing (BlockManager) may hand a block that a sibling fills in
+    the same prefill step: exact only as `attend` (model.py's seam) writes all of a layer's K/V
+    before any sequence reads it. machinery/fast_sampling.py changes only where K/V is read."""
 
     def __init__(self, config, num_blocks, block_size, device, dtype):
         shape = (2, num_blocks + 1, block_size, config.num_key_value_heads, config.head_dim)
@@ -199,8 +173,7 @@ class PagedKVCache:
         self.spare_slot = num_blocks * block_size       # the spare block's first slot
         self.block_size, self.device, self.scratch = block_size, device, None
 
-    def decode_order(self, batch):
-        """The order the rows of a decode step run in (a fast path may choose its own)."""
+    def decode_order(self, batch):  # a fast path may run a decode step's rows in its own order
         return batch
 
     def begin(self, batch, decode):
@@ -222,15 +195,13 @@ class PagedKVCache:
         # the K and the V slot of each token; each sequence's last token
         self.pool_index = upload([(s, s + self.v_offset) for s in slots], dev, torch.long)
         self.last_index = upload([c - 1 for c in self.cu_q[1:]], dev, torch.long)
-        if decode:
-            self.groups = self._length_groups()
+        self.groups = self._length_groups() if decode else None
         shape = (len(batch), 1) if decode else (1, len(ids))
         return (upload(ids, dev, torch.long).view(shape),
                 upload(positions, dev, torch.long).view(shape))
 
     def _length_groups(self):
-        """Runs of rows whose longest is under twice their shortest, each attended padded to its
-        longest and masked: a ragged batch is not padded to its longest row."""
+        """Runs of rows whose longest is under twice their shortest, each padded to its longest."""
         lens, groups, start = self.k_lens, [], 0
         for i in range(1, len(lens) + 1):
             if i == len(lens) or 2 * lens[i] <= lens[start]:
@@ -245,11 +216,10 @@ class PagedKVCache:
     def write(self, layer, q, k, v):
         """Writes the step's K/V (one index_copy_) -> packed q [N, Hq, D], kv [N, 2, Hkv, D]."""
         B, T, Hq, D = q.shape
-        q = q.reshape(B * T, Hq, D)
         kv = torch.stack([k.reshape(B * T, -1, D), v.reshape(B * T, -1, D)], 1)
         flat = self.kv[layer].view(-1, *kv.shape[2:])
         flat.index_copy_(0, self.pool_index.flatten(), kv.flatten(0, 1))
-        return q, kv
+        return q.reshape(B * T, Hq, D), kv
 
     def attend(self, layer, q, k, v):
         """Write first, then read: see the class docstring on prefix sharing."""
@@ -301,10 +271,8 @@ class PagedKVCache:
 
 
 def sample(logits, temperature, top_p, top_k, uniform):
-    """One token per row by inverse CDF. logits [S, V] fp32 on any device; temperature, top_p,
-    uniform [S] float and top_k [S] long (0: off) on the host (no sync) -> (tokens [S], log-probs
-    [S]) under softmax(logits / T) cut to the top-k, then its top-p nucleus, renormalised (T 0:
-    argmax)."""
+    """(tokens [S], log-probs [S]) by inverse CDF under softmax(logits / T), top-k, then top-p,
+    renormalised (T 0: argmax; top_k 0: off). The [S] parameters on the host: no sync."""
     any_greedy, truncate = bool((temperature == 0).any()), bool(((top_p < 1) | (top_k > 0)).any())
     temperature, top_p, top_k, uniform = (upload(x, logits.device)
                                           for x in (temperature, top_p, top_k, uniform))
@@ -318,7 +286,6 @@ def sample(logits, temperature, top_p, top_k, uniform):
         keep = rank < torch.where(top_k > 0, top_k, len(rank))[:, None]
         p_k = p * keep
         p_k = p_k / p_k.sum(-1, keepdim=True)
-        # kept if the mass before it < top_p
         keep &= ((p_k.cumsum(-1) - p_k) < top_p[:, None]) | (top_p[:, None] >= 1)
         p = p * keep
     cdf = p.cumsum(-1)
@@ -336,9 +303,8 @@ def sample(logits, temperature, top_p, top_k, uniform):
 
 
 def kv_budget(device, utilization=0.9, trainer_peak=0):
-    """Bytes of CUDA memory the KV pool may take, as nano-vllm sizes its pool: utilization x the
-    device's memory, less what other processes and the CUDA context hold, less the larger of this
-    process's peak allocation so far and `trainer_peak` (the trainer's, weights included: rl.py)."""
+    """Bytes the KV pool may take, as nano-vllm sizes it: utilization x the device's memory, less
+    what others and the CUDA context hold, less max(this process's peak, trainer_peak: rl.py's)."""
     free, total = torch.cuda.mem_get_info(device)
     others = total - free - torch.cuda.memory_reserved(device)
     peak = max(torch.cuda.max_memory_allocated(device), trainer_peak)
@@ -351,18 +317,14 @@ def kv_budget(device, utilization=0.9, trainer_peak=0):
 
 
 class Engine:
-    """Continuous batching over a paged KV cache. Sequences queue on `waiting`; `step` runs one
-    prefill or decode step -> the sequences that stopped in it (a stop token or the budget), which
-    keep their blocks until `release`d or `resume`d with forced tokens (a tool reply), unless
-    memory pressure takes them (preemption: recomputed later)."""
+    """Continuous batching over a paged KV cache. `step` -> the sequences that stopped in it; they
+    keep their blocks until `release`d or `resume`d, unless preempted (recomputed later)."""
 
     def __init__(self, model, max_num_seqs=256, max_prefill_tokens=8192, num_blocks=None,
                  block_size=None, max_seq_lens=None, kv_cache_bytes=None, share_prefix=True,
                  compile=False, dtype=None):
-        """The pool, sized once: num_blocks, else kv_cache_bytes (default: on CUDA kv_budget(), on
-        CPU 4 GiB) of K/V, no more than max_seq_lens (the longest sequences held at once) could
-        fill. dtype: of the K/V (default: the weights'; a trainer builds its engine before FSDP
-        has gathered the bf16 weights). compile: fast_sampling.CpuForward."""
+        """The pool, sized once: num_blocks, else kv_cache_bytes (CUDA: kv_budget(), CPU: 4 GiB)
+        capped by max_seq_lens. dtype: the K/V's (FSDP may not have gathered bf16 weights yet)."""
         self.model, cfg, param = model, model.config, next(model.parameters())
         self.device, self.dtype = param.device, dtype or param.dtype
         self.use_flash = use_flash(getattr(model, "attn_backend", "auto"), self.device, self.dtype)
@@ -378,7 +340,6 @@ class Engine:
             num_blocks = min(num_blocks, sum(-(-n // block_size) for n in max_seq_lens))
         self.num_blocks = num_blocks
         self.blocks = BlockManager(num_blocks, block_size, share_prefix)
-        # the plain cache with the fast path of this device mixed in (machinery/fast_sampling.py)
         self.cache = fast_sampling.kv_cache(PagedKVCache, cfg, num_blocks, block_size, self.device,
                                             self.dtype, flash=self.use_flash, row_budget=row_budget,
                                             max_batch=max_num_seqs, max_seq_lens=max_seq_lens)
@@ -388,8 +349,7 @@ class Engine:
         self.waiting, self.running, self.held = deque(), deque(), []
         self.new_rollout()
 
-    def new_rollout(self):
-        """Before each use: fresh counters (flash: graphs dropped if the weights moved)."""
+    def new_rollout(self):  # before each use: fresh counters (flash: graphs dropped if stale)
         if self.use_flash:
             self.cache.new_rollout(self.model)
         self.stats = dict(prefill_tokens=0, decode_tokens=0, shared_tokens=0, preemptions=0,
@@ -418,8 +378,7 @@ class Engine:
             self.waiting.appendleft(seq)
 
     def _reclaim(self):
-        """Nothing runs and the queue head does not fit: free the newest sequence waiting on a
-        tool, else the newest queued behind the head. False if none holds blocks."""
+        """Free the newest sequence waiting on a tool, else behind the queue head; False if none."""
         for seq in [*reversed(self.held), *reversed(list(self.waiting)[1:])]:
             if seq.block_table:
                 self._free(seq)
@@ -446,12 +405,11 @@ class Engine:
                                    f"{self.num_blocks}")
             if batch and tokens + len(seq) - seq.num_cached > self.max_prefill_tokens:
                 break
-            self.waiting.popleft()
             before = seq.num_cached
             self._grow(seq)
             self.stats["shared_tokens"] += seq.num_cached - before
             tokens += len(seq) - seq.num_cached
-            batch.append(seq)
+            batch.append(self.waiting.popleft())
         return batch
 
     def _schedule_decode(self):
@@ -495,9 +453,8 @@ class Engine:
             full = seq.num_response >= seq.params.max_tokens
             seq.finish_reason = "stop" if stop else "length" if full else None
         stopped = [seq for seq in batch if seq.finish_reason]
-        if stopped:
-            self.running = deque(s for s in self.running if s.finish_reason is None)
-            self.held += stopped
+        self.running = deque(s for s in self.running if s.finish_reason is None)
+        self.held += stopped
         return stopped
 
     def _sample(self, batch, logits):
@@ -525,8 +482,7 @@ def sequence_seed(seed, index):
 
 def complete(model, prompts, max_new_tokens, temperature=0.0, top_p=1.0, top_k=0,
              stop_token_ids=(), seed=None, raw_logprobs=False, engine=None, **engine_kwargs):
-    """Like generate, with per-token log-probs and finish reasons. max_new_tokens: int or one per
-    prompt. engine: an Engine to reuse (its pool and options; engine_kwargs are then ignored)."""
+    """generate with log-probs and finish reasons; max_new_tokens: an int or one per prompt."""
     one_each = not isinstance(max_new_tokens, int)
     budgets = list(max_new_tokens) if one_each else [max_new_tokens] * len(prompts)
     if engine is None:
@@ -548,22 +504,15 @@ def complete(model, prompts, max_new_tokens, temperature=0.0, top_p=1.0, top_k=0
 
 def generate(model, prompts, max_new_tokens, temperature=0.0, top_p=1.0, stop_token_ids=(),
              seed=None, **kwargs):
-    """prompts: token-id lists -> the new ids of each, a stop token included; temperature 0 is
-    greedy. kwargs: top_k, and Engine options (max_num_seqs, num_blocks, block_size, ...)."""
+    """Token-id prompts -> the new ids of each, a stop token included; kwargs as complete."""
     return [c.token_ids for c in complete(model, prompts, max_new_tokens, temperature, top_p,
                                           stop_token_ids=stop_token_ids, seed=seed, **kwargs)]
 
 
 class ChatFormat:
-    """Token ids of the chat protocol, from the tokenizer's chat template and generation config.
-
-    One rule for every id made from a rendering (prompts, forced tool replies, sft.py's
-    trajectories): the template's own structure may hold added tokens (<|im_start|>, <tool_call>,
-    ...), message text (a prompt, a tool's output, an assistant's content) never does. `mark` swaps
-    each added-token string in message text for a private-use character before rendering; `encode`
-    splits the rendering at the added tokens left (the template's) and tokenizes the rest as plain
-    text (`plain_ids`), the marks turned back. Forced turns (tool replies; REPL user turns) are a
-    rendering with placeholder contents, cut at the placeholders (`pieces`, `forced_ids`)."""
+    """Token ids of the chat protocol. The one rule (docs/DESIGN.md): message text never becomes
+    an added token. `mark` swaps added-token strings in message text for private-use characters;
+    `encode` splits the rendering at the added tokens left (the template's), the rest plain text."""
 
     ASSISTANT, CONTENT = "ASSISTANT_PLACEHOLDER_5f1c", "CONTENT_PLACEHOLDER_{}_9d2e"
     PROBE = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": ASSISTANT}]
@@ -622,23 +571,19 @@ class ChatFormat:
         return text.translate(self._unmark)
 
     def encode(self, text):
-        """Ids of a (marked) rendering: the template's added tokens, the rest as plain text."""
-        ids = []
+        """Ids of a (marked) rendering: the template's added tokens, the rest as plain text through
+        normalizer, pre-tokenizer and model (split_special_tokens would still match added tokens
+        that are not special)."""
+        ids, backend = [], self.tokenizer.backend_tokenizer
+        norm, pre = backend.normalizer, backend.pre_tokenizer
         for j, part in enumerate(self._added_re.split(text)):
             if j % 2:
                 ids.append(self.added_ids[part])
             elif part:
-                ids += self.plain_ids(self.unmark(part))
+                part = norm.normalize_str(self.unmark(part)) if norm else self.unmark(part)
+                words = pre.pre_tokenize_str(part) if pre else [(part, None)]
+                ids += [t.id for word, _ in words for t in backend.model.tokenize(word)]
         return ids
-
-    def plain_ids(self, text):
-        """text through the normalizer, pre-tokenizer and model only: the added-token pass (which
-        split_special_tokens turns off for special tokens only) never runs."""
-        backend = self.tokenizer.backend_tokenizer
-        text = backend.normalizer.normalize_str(text) if backend.normalizer else text
-        pre = backend.pre_tokenizer
-        words = pre.pre_tokenize_str(text) if pre else [(text, None)]
-        return [t.id for word, _ in words for t in backend.model.tokenize(word)]
 
     def prompt_ids(self, prompt, system=None):
         system = [{"role": "system", "content": system}] if system is not None else []
@@ -646,8 +591,7 @@ class ChatFormat:
         return self.encode(self.render(messages, True))
 
     def pieces(self, role, n):
-        """The n + 1 template strings around n `role` messages after an assistant's end-of-turn
-        token, up to the next generation prompt: the forced (mask 0) part of a reply."""
+        """The n + 1 template strings around n `role` messages: a reply's forced (mask 0) part."""
         if (role, n) not in self._pieces:
             slots = [self.CONTENT.format(i) for i in range(n)]
             text = self.render(self.PROBE + [{"role": role, "content": s} for s in slots], True)
@@ -662,24 +606,20 @@ class ChatFormat:
     def forced_ids(self, role, contents):
         """Ids after an assistant's end-of-turn: `role` messages of `contents`, the next prompt."""
         pieces = self.pieces(role, len(contents))
-        text = "".join(p + self.mark(c) for p, c in zip(pieces, contents)) + pieces[-1]
-        return self.encode(text)
+        return self.encode("".join(p + self.mark(c) for p, c in zip(pieces, contents)) + pieces[-1])
 
 
 @dataclass
 class Tool:
-    """One tool the model may call: its schema (rendered into the prompt; function.name names it)
-    and `call(arguments, sandbox, config) -> Future` of (status, reply text) or of the text alone; a
-    ValueError raised by call refuses the call, its text the reply (call_outcome)."""
+    """A tool the model may call: its schema (function.name names it) and `call(arguments, sandbox,
+    config) -> Future` of (status, reply) or the reply; a ValueError from call refuses the call."""
     schema: dict
     call: object
 
 
 def call_outcome(refusal, future):
-    """(status, reply text) of one tool call, the one place a status is decided. A refusal (the
-    reply to a call never run: malformed, an unknown tool, arguments the tool refused): "bad_call".
-    Else from the Future: raised (a failed or cancelled run, a closed pool): "error"; a str: "ok";
-    (status, text): the tool's own (run_code: the sandbox's ok, error, timeout, memory, killed)."""
+    """(status, reply) of one call, the one place a status is decided: a refusal "bad_call"; else
+    from the Future: raised "error", a str "ok", (status, text) the tool's own (docs/SANDBOX.md)."""
     if refusal is not None:
         status, text = "bad_call", refusal
     else:
@@ -693,8 +633,7 @@ def call_outcome(refusal, future):
 
 
 def run_code(arguments, sandbox, config):
-    """The code interpreter: the first ```python fence, the last bare expression printed, run in the
-    sandbox -> (its status, stdout then stderr and why it stopped, cut to tool_output_chars)."""
+    """The code interpreter (sandbox.prepare_code) -> Future of (status, output cut to length)."""
     import sandbox as sandbox_module
     code = arguments.get("code")
     if not isinstance(code, str):
@@ -731,11 +670,9 @@ def parse_json(text, max_depth=64):
 
 
 def parse_tool_calls(text, max_calls=1):
-    """The calls of one assistant turn, in order: (name, arguments, refusal), refusal None or the
-    reply to a malformed call. The blocks verl's HermesToolParser finds, <tool_call>(.*?)
-    </tool_call>, in one pass: the first max_calls that parse (a JSON object with a "name";
-    arguments given as a JSON string decoded; verl's max_parallel_calls), and the first max_calls
-    that do not, each with an error reply (verl drops them), as is a <tool_call> left open."""
+    """[(name, arguments, refusal: None or the reply to a malformed call)] of the blocks verl's
+    HermesToolParser finds: the first max_calls that parse, the first max_calls that do not (verl
+    drops them), and a <tool_call> left open."""
     calls, parsed, bad, at = [], 0, 0, text.find("<tool_call>")
     while at >= 0 and (end := text.find("</tool_call>", at)) >= 0:
         body, at = text[at + len("<tool_call>"):end], text.find("<tool_call>", end)
@@ -755,7 +692,6 @@ def parse_tool_calls(text, max_calls=1):
 
 class Agent:
     """One trajectory's agent-loop state around its engine sequence."""
-
     def __init__(self, problem_index, sample_index, seq):
         self.problem_index, self.sample_index, self.seq = problem_index, sample_index, seq
         self.turn_start = len(seq)          # where the current assistant turn begins
@@ -771,16 +707,14 @@ class Agent:
 
 
 class AgentLoop:
-    """Drives agents through the engine: sample a turn, run its tool calls off the batch, force the
-    reply, resume; the engine keeps decoding the other trajectories while tools run."""
+    """Sample a turn, run its tool calls off the batch, force the reply, resume."""
 
     def __init__(self, engine, chat, config, sandbox=None, tools=None):
         self.engine, self.chat, self.config = engine, chat, config
         self.sandbox, self.tools = sandbox, tools or TOOLS
 
     def run(self, prompts, keys, seeds=None):
-        """prompts: token-id lists; keys: (problem_index, sample_index) per prompt; seeds: one
-        generator seed per prompt (default: from config.seed and the position) -> the Agents."""
+        """keys: (problem_index, sample_index) per prompt; seeds: one per prompt -> the Agents."""
         cfg = self.config
         params = SamplingParams(cfg.temperature, cfg.top_p, cfg.top_k, cfg.max_response_tokens,
                                 self.chat.stop_ids)
@@ -825,8 +759,7 @@ class AgentLoop:
         return self._finish(agent, reason)
 
     def _dispatch(self, agent, name, arguments, refusal):
-        """(call record, refusal, Future) of one parsed call: sent to its tool unless refused (also
-        an unknown tool, or arguments the tool rejects with a ValueError), then resolved at once."""
+        """(call record, refusal, Future): sent to its tool unless refused, then resolved now."""
         turn = agent.num_turns - 1
         record = {"name": name, "arguments": arguments, "status": None, "output": "", "turn": turn}
         future = concurrent.futures.Future()
@@ -866,11 +799,9 @@ def chat_format(tokenizer, config, tools=None):
 
 def rollout(model, tokenizer, problems, config, sandbox=None, seeds=None, engine=None, tools=None,
             **engine_kwargs):
-    """config.n trajectories per problem, grouped by problem. sandbox: an object with submit(code,
-    timeout, memory_mb) -> Future[Result] (and optionally prepare_code, format_tool_output); the
-    sandbox module by default. seeds: one per problem, instead of config.seed: sample j of problem i
-    then draws the same tokens whichever other problems share the call. engine: an Engine to reuse;
-    else engine_kwargs make one. tools: {name: Tool} (default TOOLS), rendered, called by name."""
+    """config.n trajectories per problem, grouped by problem. sandbox: has submit(code, timeout,
+    memory_mb) -> Future[Result] (maybe prepare_code, format_tool_output; default: the sandbox
+    module). seeds: one per problem: sample j of problem i draws the same tokens in any batch."""
     chat = chat_format(tokenizer, config, tools)
     if seeds is not None and len(seeds) != len(problems):
         raise ValueError(f"{len(seeds)} seeds for {len(problems)} problems")
