@@ -1,10 +1,9 @@
 """machinery/distributed.py: what the stages share to run as one process or under torchrun:
-distributed set-up and the few collectives the trainers use (none of them runs in a one-process
-run), rank-0 printing, hub-id resolution, FSDP2 model building (where the trainers' x world comes
-from), the sandbox's start-up check; and what makes a run over several nodes right, or stops it
-in one line at start-up (every rank sees rank 0's out_dir and inputs, every rank evaluates the
-same model, long per-rank work waits on a group of its own, `srun python` without torchrun is
-refused). The README ("More than one node") says how to launch."""
+set-up, the few collectives the trainers use (none runs in a one-process run), rank-0 printing,
+hub-id resolution, FSDP2 model building, the sandbox's start-up check; and what makes a run over
+several nodes right, or stops it in one line at start-up (every rank sees rank 0's out_dir and
+inputs and evaluates the same model, long per-rank work waits on a group of its own, `srun
+python` without torchrun is refused). README ("More than one node") says how to launch."""
 
 import contextlib
 import hashlib
@@ -22,11 +21,10 @@ from machinery.flags import damaged_weights, looks_local
 
 # How long a rank waits in a collective (the trainers' --dist_timeout, in minutes): longer than
 # the ranks of a training step drift apart (uneven rollouts, rank 0 writing a 4B checkpoint), short
-# enough that a stuck node stops the job. Evaluations gather on a group of their own
-# (gather_objects).
+# enough that a stuck node stops the job.
 DIST_TIMEOUT = timedelta(minutes=30)
-# Evaluations gather their results on a gloo group of their own, which waits this long: ranks'
-# shares of an evaluation can finish hours apart (gather_objects).
+# Evaluations gather on a gloo group of their own that waits this long: ranks' shares of an
+# evaluation can finish hours apart (gather_objects).
 GATHER_TIMEOUT = timedelta(hours=12)
 _gather_groups = {}   # the default group -> its gather group; distributed() takes them down
 
@@ -83,8 +81,7 @@ def gather_group():
     """The gloo group with GATHER_TIMEOUT for gathers after long per-rank work. Made on the first
     call, a collective: every rank calls it at the same point, while the ranks are together."""
     if dist.group.WORLD not in _gather_groups:
-        group = dist.new_group(backend="gloo", timeout=GATHER_TIMEOUT)
-        _gather_groups[dist.group.WORLD] = group
+        _gather_groups[dist.group.WORLD] = dist.new_group(backend="gloo", timeout=GATHER_TIMEOUT)
     return _gather_groups[dist.group.WORLD]
 
 
@@ -110,21 +107,32 @@ def all_reduce(values, device, op=dist.ReduceOp.SUM):
     return t.tolist()
 
 
+def _all_gather(obj, long_wait=False):
+    """Every rank's obj in rank order (long_wait: on gather_group)."""
+    if world_size() == 1:
+        return [obj]
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, obj, group=gather_group() if long_wait else None)
+    return parts
+
+
 def all_gather_list(items):
     """Every rank's list of picklable items, concatenated in rank order."""
-    if world_size() == 1:
-        return list(items)
-    parts = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, list(items))
-    return [x for part in parts for x in part]
+    return [x for part in _all_gather(list(items)) for x in part]
 
 
-def broadcast_object(obj, src=0):
-    """Rank src's obj on every rank."""
+def gather_objects(obj):
+    """Every rank's obj in rank order, on the gloo group with a long timeout (gather_group): for
+    gathers after long per-rank work, which the training timeout would cut short. A collective."""
+    return _all_gather(obj, long_wait=True)
+
+
+def broadcast_object(obj):
+    """Rank 0's obj on every rank."""
     if world_size() == 1:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=src)
+    dist.broadcast_object_list(box, src=0)
     return box[0]
 
 
@@ -163,15 +171,15 @@ def resolve_model(path):
 
 def build_model(path, device, sharded):
     """A model to train. One CPU process: the checkpoint as is, in fp32. Under torchrun, and on
-    CUDA always (one process too: fp32 GQA attention has no fused SDPA kernel, a 20k-token sequence
-    would materialise [heads, T, T] scores): FSDP2 with each block one unit and the root
-    (embeddings, final norm, tied head) another; on CUDA bf16 compute with fp32 master weights and
-    gradient reduction. Rank 0 alone reads the weights and broadcasts them into the sharded model,
-    built on the meta device (no rank holds a full fp32 copy but rank 0).
+    CUDA always (one process too: fp32 GQA attention has no fused SDPA kernel, a 20k-token
+    sequence would materialise [heads, T, T] scores): FSDP2, each block one unit and the root
+    (embeddings, final norm, tied head) another; on CUDA bf16 compute, fp32 master weights and
+    gradient reduction. Built on the meta device; rank 0 alone reads the weights and broadcasts
+    them into it.
 
-    FSDP2's reduce-scatter AVERAGES gradients over the ranks (it divides their sum by the world
-    size). The trainers want a sum: each rank's loss is already its share of the global token
-    mean, so they backpropagate loss x world (rl.update, sft's step) and the average becomes it."""
+    FSDP2's reduce-scatter AVERAGES gradients over the ranks. The trainers want a sum (each rank's
+    loss is already its share of the global token mean), so they backpropagate loss x world
+    (rl.update, sft's step) and the average becomes it."""
     from model import ModelConfig, Transformer
     if not (sharded or device.type == "cuda"):
         return Transformer.from_pretrained(path, device=device, dtype=torch.float32)
@@ -186,10 +194,8 @@ def build_model(path, device, sharded):
     for block in model.model.layers:
         fully_shard(block, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
-    # not forward(): gather the root's weights around it
-    register_fsdp_forward_method(model, "token_logprobs")
-    # token_logprobs returns a view; FSDP warns about in-place use of it, and it is only used out
-    # of place
+    register_fsdp_forward_method(model, "token_logprobs")  # not forward(): gather the root too
+    # token_logprobs returns a view, which FSDP warns about; it is only used out of place
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     model.to_empty(device=device)
     full = {}
@@ -198,9 +204,8 @@ def build_model(path, device, sharded):
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     set_model_state_dict(model, full, options=options)
     model.tie_weights()
-    # FSDP sets itself up on the first forward through the root; the sampler calls model.hidden
-    # (no hooks), so one tiny forward (a collective) settles it, then the root gives back its
-    # weights
+    # FSDP sets itself up on the first forward through the root, and the sampler calls
+    # model.hidden (no hooks): one tiny forward (a collective) settles it, then reshard
     with torch.no_grad():
         model(torch.zeros(1, 2, dtype=torch.long, device=device))
     model.reshard()
@@ -274,14 +279,12 @@ def check_shared(out_dir, inputs):
         with open(marker, "w") as f:
             f.write(token)
     token, seen = broadcast_object((token, [_describe(p) for p in inputs] if rank == 0 else None))
-    missing = []
     try:
         with open(marker) as f:
             ok = f.read() == token
     except OSError:
         ok = False
-    if not ok:
-        missing.append(f"out_dir {out_dir} (rank 0's {marker} is not there)")
+    missing = [] if ok else [f"out_dir {out_dir} (rank 0's {marker} is not there)"]
     for path, theirs in zip(inputs, seen):
         if theirs is not None and _describe(path) != theirs:
             what = "missing" if not os.path.exists(path) else "not the same files as rank 0's"
@@ -324,17 +327,6 @@ def same_model(path):
         raise SystemExit(f"the ranks would evaluate different models: {ranks}; pass the same "
                          f"--model on a shared filesystem")
     return path
-
-
-def gather_objects(obj):
-    """Every rank's obj in rank order, on a gloo group with a long timeout (gather_group):
-    for gathers after long per-rank work, which the training timeout would cut short. A
-    collective."""
-    if world_size() == 1:
-        return [obj]
-    parts = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, obj, group=gather_group())
-    return parts
 
 
 def world_advice(mini_batch, prompts_per_step, world):
