@@ -223,9 +223,8 @@ def pack(lengths, budget):
 
 
 def plan(batch, lengths, world, budget):
-    """Split a global batch over ranks balancing tokens, and pack each share. Every rank computes
-    the same plan; ranks with fewer micro-batches get empty ones, since FSDP needs every rank in
-    every forward and backward."""
+    """Split a global batch over ranks balancing tokens (the same plan on every rank), and pack each
+    share; ranks with fewer micro-batches get empty ones: FSDP needs every rank in every pass."""
     shares, load = [[] for _ in range(world)], [0] * world
     for i in sorted(batch, key=lambda i: (-lengths[i], i)):
         r = min(range(world), key=lambda r: (load[r], r))

@@ -21,10 +21,9 @@ from machinery.flags import damaged_weights
 
 
 def check_resume(trainer, current, fields_that_matter, total_steps, path):
-    """Refuse to resume a run whose saved config differs in a field that changes the data order
-    or the schedule, naming it and the ways on, unless --resume_override; and refuse a resume that
-    would train nothing (its checkpoint at or past the last step) and only rewrite the finished
-    run's summary with other settings."""
+    """Refuse a resume whose saved config differs in a field that changes the data order or the
+    schedule (unless --resume_override), naming it and the ways on; and one that would train
+    nothing (at or past the last step), only rewriting the finished run's summary."""
     saved, out_dir = trainer["config"], os.path.dirname(path)
     changed = [f"--{k} is {current.get(k)!r}, {path} was made with {saved.get(k)!r}"
                for k in fields_that_matter if saved.get(k) != current.get(k)]
@@ -79,7 +78,7 @@ def claim(out_dir, stage, resume=None):
 
 def move_aside(out_dir, stage):
     """A run's files in out_dir (checkpoints, metrics, summary, all beside them) into a new
-    out_dir.replaced-N, which the line printed names."""
+    out_dir.replaced-N, and a line saying so."""
     names = [n for n in os.listdir(out_dir) if n != LOCK]
     if not any(n.startswith("step_") or n in ("metrics.jsonl", "summary.json") for n in names):
         return

@@ -31,17 +31,15 @@ _gather_groups = {}   # the default group -> its gather group; distributed() tak
 
 def allocator_defaults(env=os.environ):
     """Expandable segments for torch's CUDA allocator unless the user set its options (either
-    name): each stage calls it first, before CUDA starts, when the allocator reads them once. The
-    KV pool is sized from allocated bytes (rollout.kv_budget); with expandable segments what the
-    allocator reserves stays near them across the step's changing shapes (no fragmentation)."""
+    name); called before CUDA starts. The KV pool is sized from allocated bytes (rollout.kv_budget):
+    with expandable segments, what is reserved stays near them (no fragmentation)."""
     if not {"PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"} & set(env):
         env["PYTORCH_ALLOC_CONF"] = "expandable_segments:True"
 
 
 def setup_distributed(device="auto", timeout_minutes=None):
     """(rank, world, device, under_torchrun). Always leaves a process group behind (a world of
-    one when not under torchrun), so the code is the same in both cases; the collectives below
-    skip a world of one."""
+    one outside torchrun), so the code reads the same in both cases."""
     if dist.is_initialized():
         cuda = dist.get_backend() == "nccl"
     else:
@@ -122,8 +120,7 @@ def all_gather_list(items):
 
 
 def gather_objects(obj):
-    """Every rank's obj in rank order, on the gloo group with a long timeout (gather_group): for
-    gathers after long per-rank work, which the training timeout would cut short. A collective."""
+    """Every rank's obj in rank order, on gather_group: for gathers after long per-rank work."""
     return _all_gather(obj, long_wait=True)
 
 
@@ -142,9 +139,9 @@ def print0(*args):
 
 
 def resolve_model(path):
-    """A local directory as is, once its weight files are checked whole; a path that looks local
-    and is not there is refused. A hub id is downloaded once per node (each node has its own
-    cache) by its local rank 0, then read from the cache; one line when that fails."""
+    """A local directory as is, once its weight files are checked whole (a path that looks local
+    and is not there: refused); a hub id downloaded by each node's local rank 0, then read from
+    the node's cache; one line when that fails."""
     if os.path.isdir(path):
         if problem := damaged_weights(path):
             raise SystemExit(f"--model {path}: {problem}")
@@ -213,9 +210,8 @@ def build_model(path, device, sharded):
 
 
 def start_sandbox(workers, require, rank):
-    """Every rank starts its sandbox pool (workers 0: its share of the cores) and waits for it
-    before any rollout: a sandbox that cannot start stops the run with its own error, instead of
-    a dead tool for the whole run. The pool prints its line of layers itself, as it starts."""
+    """Every rank starts its sandbox pool (workers 0: its share of the cores) before any rollout:
+    one that cannot start stops the run with its error, instead of a dead tool for the run."""
     import sandbox
     sandbox.configure(workers or None, require)
     try:
@@ -230,17 +226,15 @@ def compute_dtype(device):
 
 
 def clip_grads(model, max_norm):
-    """Clip the gradients' global norm to max_norm (0: no clipping); returns the norm before, a
-    float (under FSDP2 clip_grad_norm_ returns a DTensor)."""
+    """Clip the gradients' global norm to max_norm (0: no clipping) -> the norm before, a float."""
     limit = max_norm if max_norm > 0 else float("inf")
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), limit)
-    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # FSDP2: a DTensor
 
 
 def refuse_bare_srun(env=os.environ):
     """`srun python rl.py` starts one copy per Slurm task, each unaware of the others (no RANK):
-    N independent runs on one out_dir. Refused, saying how to launch instead. srun sets the
-    step's task count; a batch script's own shell (plain `python rl.py` in it) has none."""
+    N runs on one out_dir, refused. srun sets the step's task count, a batch script's shell not."""
     tasks = env.get("SLURM_STEP_NUM_TASKS") or "1"
     if "RANK" not in env and "SLURM_PROCID" in env and int(tasks) > 1:
         raise SystemExit(f"Slurm task {env['SLURM_PROCID']} of {tasks} without torchrun: each "
@@ -254,8 +248,8 @@ def host():
 
 
 def _describe(path):
-    """What rank 0 sees at path, to compare: a file's size, a directory's file names and sizes;
-    None when path is not there (a hub id, or a path the stage itself will refuse)."""
+    """A file's size, a directory's file names and sizes; None when path is not there (a hub id,
+    or a path the stage itself will refuse)."""
     if not path or not os.path.exists(path):
         return None
     if os.path.isfile(path):
@@ -265,10 +259,9 @@ def _describe(path):
 
 
 def check_shared(out_dir, inputs):
-    """Stop at start-up unless every rank sees what rank 0 sees: a file rank 0 writes into
-    out_dir (checkpoint shards from every rank meet there), and each input path (data, model)
-    with the same sizes. One line names each rank that cannot see something, and what. A
-    collective; nothing in a world of one."""
+    """Stop at start-up unless every rank sees what rank 0 sees: a file rank 0 writes into out_dir
+    (every rank's checkpoint shards meet there), and each input path (data, model) with the same
+    sizes; one line names each rank that cannot, and what. A collective."""
     if world_size() == 1:
         return
     rank = dist.get_rank()
@@ -316,8 +309,8 @@ def weights_hash(path, samples=16, chunk=1 << 20):
 
 
 def same_model(path):
-    """path on every rank, after checking that every rank names the same model and reads the same
-    weights (else one line naming the ranks' paths and hashes). A collective."""
+    """path, once every rank names the same model and reads the same weights (else one line naming
+    the ranks' paths and hashes). A collective."""
     if world_size() > 1:
         gather_group()  # made now, while the ranks are together (a collective)
     seen = all_gather_list([(path, weights_hash(path) if os.path.isdir(path) else None, host())])

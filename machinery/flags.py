@@ -125,9 +125,8 @@ def world():
 
 
 def input_file(cfg, name, optional=False, skip=(), hint=""):
-    """The named field is a file that exists ('' allowed when optional; paths in skip: files the
-    stage writes itself). hint is said when the path is the flag's default, which the user may
-    not know."""
+    """The named field is a file that exists ('' allowed when optional; skip: files the stage writes
+    itself). hint is said when the path is the flag's default, which the user may not know."""
     path = getattr(cfg, name)
     if (optional and path == "") or path in skip:
         return
@@ -272,7 +271,6 @@ def records(path):
 
 
 def check_data(path):
-    """Every record's JSON and fields, before anything is written (load_data renders them later,
-    with the tokenizer the toy preset must first build)."""
+    """Every record's JSON and fields, before anything is written (sft.load_data renders them)."""
     for _ in records(path):
         pass
