@@ -3,11 +3,10 @@
 Reads {"messages", "tools"} jsonl (the Open-AgentRL-SFT-3K layout), renders each record with the
 tokenizer's own chat template and puts the loss on exactly the tokens the assistant wrote: an
 assistant message spans from the end of render(messages[:i], add_generation_prompt=True), which
-must be a prefix of the whole render, to its end-of-turn token. Packs trajectories into
-micro-batches (attention stays inside each through cu_seqlens); AdamW, warmup then cosine,
-gradient clipping, FSDP2 under torchrun (bf16 compute, fp32 master weights and gradient reduction
-on GPU), a token-mean loss over every assistant token of the global batch, checkpoints that
-resume exactly, metrics to out_dir/metrics.jsonl.
+must be a prefix of the whole render, to its end-of-turn token. Trajectories packed into
+micro-batches (attention stays inside each: cu_seqlens); AdamW, warmup then cosine, clipping,
+FSDP2 under torchrun (bf16 compute, fp32 master weights and reduction on GPU), a token-mean loss
+over the global batch's assistant tokens, checkpoints that resume exactly, out_dir/metrics.jsonl.
 
     python sft.py                        # the toy preset: a tiny model from scratch
     python sft.py --model DIR --data data/sft.jsonl --out_dir runs/sft
@@ -284,17 +283,6 @@ def inputs(cfg, rank):
     return resolve_model(cfg.model), cfg.data
 
 
-def train(cfg):
-    """Run SFT as configured; returns the final Hugging Face checkpoint directory. Works in one
-    process, under torchrun, or inside a process that already set up torch.distributed."""
-    check(cfg)
-    if cfg.data != "toy":
-        check_data(cfg.data)
-    with (distributed(cfg.device, cfg.dist_timeout) as (rank, world, device, sharded),
-          claim(cfg.out_dir, "sft.py", cfg.resume)):
-        return _train(cfg, rank, world, device, sharded)
-
-
 @dataclass
 class Run:  # what the loop works with, built by setup()
     cfg: Config
@@ -315,42 +303,49 @@ class Run:  # what the loop works with, built by setup()
     metrics: Metrics
 
 
-def _train(cfg, rank, world, device, sharded):
+def train(cfg):
+    """Run SFT as configured; returns the final Hugging Face checkpoint directory. Works in one
+    process, under torchrun, or inside a process that already set up torch.distributed."""
     from tqdm import tqdm
-    run = setup(cfg, rank, world, device, sharded)
-    if run.step == 0:
-        held_out(run, 0)
-    bar = tqdm(total=run.total_steps, initial=run.step, disable=not (rank == 0 and cfg.progress),
-               desc="sft")
-    path, run_tokens, run_time = None, 0, 0.0
-    while run.step < run.total_steps:
-        t0 = time.time()
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        # the step's global batch (a seeded permutation per epoch), every rank's micro-batches
-        epoch, index = divmod(run.step, run.steps_per_epoch)
-        order = data_order(len(run.train_seqs), cfg.seed, epoch)
-        batch = order[index * cfg.batch_size:(index + 1) * cfg.batch_size]
-        micro = plan(batch, run.lengths, world, cfg.micro_batch_tokens)
-        loss_sum, loss_tokens = forward_backward(run, batch, micro)
-        grad_norm, lr = clip_grads(run.model, cfg.grad_clip), run.scheduler.get_last_lr()[0]
-        run.optimizer.step()
-        run.scheduler.step()
-        run.optimizer.zero_grad(set_to_none=True)
-        run.step += 1
-        entry = log_step(run, epoch, batch, micro, loss_sum, loss_tokens, grad_norm, lr, t0, bar)
-        run_tokens, run_time = run_tokens + entry["tokens"], run_time + entry["seconds"]
-        if cfg.eval_every and run.step % cfg.eval_every == 0 and run.step != run.total_steps:
-            held_out(run, run.step)
-        path = save(run) or path
-    bar.close()
-    eval_loss = held_out(run, run.step) if path else None
-    path = path or checkpoints(cfg.out_dir)[-1][1]  # a resumed, finished run trained nothing
-    run.metrics.log(event="end", step=run.step, checkpoint=path, eval_loss=eval_loss,
-                    tokens_per_s=run_tokens / run_time if run_time else None)
-    print0(f"done: {run.step} steps, held-out loss {eval_loss}, checkpoint {path}")
-    run.metrics.finish(dict(steps=run.step, eval_loss=eval_loss))
-    return path
+    check(cfg)
+    if cfg.data != "toy":
+        check_data(cfg.data)
+    with (distributed(cfg.device, cfg.dist_timeout) as (rank, world, device, sharded),
+          claim(cfg.out_dir, "sft.py", cfg.resume)):
+        run = setup(cfg, rank, world, device, sharded)
+        if run.step == 0:
+            held_out(run, 0)
+        bar = tqdm(total=run.total_steps, initial=run.step, desc="sft",
+                   disable=not (rank == 0 and cfg.progress))
+        path, run_tokens, run_time = None, 0, 0.0
+        while run.step < run.total_steps:
+            t0 = time.time()
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            # the step's global batch (a seeded permutation per epoch), every rank's micro-batches
+            epoch, index = divmod(run.step, run.steps_per_epoch)
+            order = data_order(len(run.train_seqs), cfg.seed, epoch)
+            batch = order[index * cfg.batch_size:(index + 1) * cfg.batch_size]
+            micro = plan(batch, run.lengths, world, cfg.micro_batch_tokens)
+            nll, loss_tokens = forward_backward(run, batch, micro)
+            grad_norm, lr = clip_grads(run.model, cfg.grad_clip), run.scheduler.get_last_lr()[0]
+            run.optimizer.step()
+            run.scheduler.step()
+            run.optimizer.zero_grad(set_to_none=True)
+            run.step += 1
+            entry = log_step(run, epoch, batch, micro, nll, loss_tokens, grad_norm, lr, t0, bar)
+            run_tokens, run_time = run_tokens + entry["tokens"], run_time + entry["seconds"]
+            if cfg.eval_every and run.step % cfg.eval_every == 0 and run.step != run.total_steps:
+                held_out(run, run.step)
+            path = save(run) or path
+        bar.close()
+        eval_loss = held_out(run, run.step) if path else None
+        path = path or checkpoints(cfg.out_dir)[-1][1]  # a resumed, finished run trained nothing
+        run.metrics.log(event="end", step=run.step, checkpoint=path, eval_loss=eval_loss,
+                        tokens_per_s=run_tokens / run_time if run_time else None)
+        print0(f"done: {run.step} steps, held-out loss {eval_loss}, checkpoint {path}")
+        run.metrics.finish(dict(steps=run.step, eval_loss=eval_loss))
+        return path
 
 
 def setup(cfg, rank, world, device, sharded):
@@ -365,7 +360,6 @@ def setup(cfg, rank, world, device, sharded):
     base_path, data_path = inputs(cfg, rank)
     check_shared(cfg.out_dir, [data_path, base_path])
     tokenizer = AutoTokenizer.from_pretrained(base_path)
-
     t0 = time.time()
     seqs, stats = load_data(data_path, tokenizer, cfg)
     split = data_order(len(seqs), cfg.seed, -1)
@@ -382,7 +376,6 @@ def setup(cfg, rank, world, device, sharded):
            f"{stats['max_len']}; {stats['truncated']} truncated, {stats['dropped_too_long']} "
            f"dropped as too long, {stats['dropped_no_loss']} without assistant tokens; "
            f"{stats['retokenized']} tokenized differently in one pass ({time.time() - t0:.1f}s)")
-
     model = build_model(base_path, device, sharded)
     model.attn_backend = cfg.attn_backend
     model.gradient_checkpointing = cfg.gradient_checkpointing
@@ -446,8 +439,7 @@ def log_step(run, epoch, batch, micro, loss_sum, loss_tokens, grad_norm, lr, t0,
     cfg, world, lengths = run.cfg, run.world, run.lengths
     seconds, tokens = time.time() - t0, sum(lengths[i] for i in batch)
     # ranks run their micro-batches in lockstep: each costs what the largest over ranks costs
-    slots = world * sum(max(sum(lengths[i] for i in micro[r][k]) for r in range(world))
-                        for k in range(len(micro[0])))
+    slots = world * sum(max(sum(lengths[i] for i in g) for g in step) for step in zip(*micro))
     entry = dict(event="train", step=run.step, epoch=epoch, loss=loss_sum / loss_tokens, lr=lr,
                  grad_norm=grad_norm, tokens=tokens, loss_tokens=loss_tokens,
                  micro_batches=len(micro[0]), padding_waste=1 - tokens / slots,

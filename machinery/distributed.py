@@ -168,15 +168,13 @@ def resolve_model(path):
 
 def build_model(path, device, sharded):
     """A model to train. One CPU process: the checkpoint as is, in fp32. Under torchrun, and on
-    CUDA always (one process too: fp32 GQA attention has no fused SDPA kernel, a 20k-token
-    sequence would materialise [heads, T, T] scores): FSDP2, each block one unit and the root
-    (embeddings, final norm, tied head) another; on CUDA bf16 compute, fp32 master weights and
-    gradient reduction. Built on the meta device; rank 0 alone reads the weights and broadcasts
-    them into it.
+    CUDA always (fp32 GQA attention has no fused SDPA kernel: a 20k-token sequence would
+    materialise [heads, T, T] scores): FSDP2, each block one unit and the root (embeddings, final
+    norm, tied head) another, on CUDA bf16 compute with fp32 master weights and gradient reduction;
+    built on meta, rank 0 alone reads the weights and broadcasts them.
 
-    FSDP2's reduce-scatter AVERAGES gradients over the ranks. The trainers want a sum (each rank's
-    loss is already its share of the global token mean), so they backpropagate loss x world
-    (rl.update, sft's step) and the average becomes it."""
+    FSDP2's reduce-scatter AVERAGES gradients over the ranks; the trainers want the sum (each
+    rank's loss is its share of the global token mean), so they backpropagate loss x world."""
     from model import ModelConfig, Transformer
     if not (sharded or device.type == "cuda"):
         return Transformer.from_pretrained(path, device=device, dtype=torch.float32)

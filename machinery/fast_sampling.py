@@ -1,15 +1,9 @@
 """machinery/fast_sampling.py: the fast paths of rollout.py's paged KV cache (a first reading can
 skip them). rollout.PagedKVCache is the reference (paging, prefix sharing, preemption); these
-change where K/V is read from, not what attention computes:
-
-- RowKVCache (without flash-attn, CPU or CUDA): decoding rows kept contiguous between steps.
-- FlashKVCache (flash-attn on CUDA): flash-attn reads the pools through the block tables; decode
-  steps run at a fixed batch size per `bucket`, each captured once as a CUDA graph and replayed.
-- CpuForward: the model call's CPU speed-ups (transposed weight copies, torch.compile).
-
-The two caches are mixins over the plain cache (super() for all they leave alone), which
-`kv_cache` is handed by the Engine: this file never imports rollout.py.
-"""
+change where K/V is read from, not what attention computes: RowKVCache (without flash-attn) keeps
+decoding rows contiguous, FlashKVCache (flash-attn on CUDA) replays a CUDA graph per decode batch
+`bucket`, CpuForward speeds up the model call on CPU. The caches are mixins over the plain cache
+(super() for all they leave alone), which the Engine hands to `kv_cache`: no import of rollout."""
 
 import contextlib
 import functools
