@@ -3,11 +3,10 @@
 Reads {"messages", "tools"} jsonl (the Open-AgentRL-SFT-3K layout), renders each record with the
 tokenizer's own chat template and puts the loss on exactly the tokens the assistant wrote: an
 assistant message spans from the end of render(messages[:i], add_generation_prompt=True), which
-must be a prefix of the whole render, to its end-of-turn token. Packs trajectories into
-micro-batches (attention stays inside each through cu_seqlens), trains with AdamW, warmup then
-cosine, gradient clipping, FSDP2 under torchrun (bf16 compute, fp32 master weights and gradient
-reduction on GPU), a token-mean loss over every assistant token of the global batch, checkpoints
-that resume exactly. Metrics go to out_dir/metrics.jsonl.
+must be a prefix of the whole render, to its end-of-turn token. Trajectories packed into
+micro-batches (attention stays inside each: cu_seqlens); AdamW, warmup then cosine, clipping,
+FSDP2 under torchrun (bf16 compute, fp32 master weights and reduction on GPU), a token-mean loss
+over the global batch's assistant tokens, checkpoints that resume exactly, out_dir/metrics.jsonl.
 
     python sft.py                        # the toy preset: a tiny model from scratch
     python sft.py --model DIR --data data/sft.jsonl --out_dir runs/sft
@@ -42,7 +41,7 @@ from machinery.distributed import (all_reduce, allocator_defaults, barrier, buil
                                    check_shared, clip_grads, compute_dtype, distributed, print0,
                                    resolve_model)
 from machinery.exits import exit_worker, quiet_interrupt, resume_line
-from machinery.flags import DataError, check_data, check_record, parse_config
+from machinery.flags import DataError, check_data, parse_config, records
 from machinery.run_log import Metrics
 from model import DTYPES, attention_path, cu_seqlens_from_lengths
 
@@ -96,11 +95,10 @@ def parse_args(argv):
 
 
 def check(cfg):  # every flag before anything is loaded or written: one line on a bad value
-    flags.ranges(cfg, {">= 0": "seed weight_decay grad_clip max_steps eval_size eval_every "
-                                "save_every",
-                        ">= 1": "epochs batch_size keep_train_state log_every",
-                        ">= 2": "max_len", "> 0": "lr dist_timeout",
-                        "[0, 1)": "warmup_ratio beta1 beta2"})
+    flags.ranges(cfg, {
+        ">= 0": "seed weight_decay grad_clip max_steps eval_size eval_every save_every",
+        ">= 1": "epochs batch_size keep_train_state log_every",
+        ">= 2": "max_len", "> 0": "lr dist_timeout", "[0, 1)": "warmup_ratio beta1 beta2"})
     flags.choices(cfg, too_long=("truncate", "drop"), attn_backend=("auto", "sdpa", "flash"),
                    save_dtype=("auto", *DTYPES), device=("auto", "cuda", "cpu"))
     flags.rule(cfg.device != "cuda" or torch.cuda.is_available(), "device", cfg.device,
@@ -113,11 +111,9 @@ def check(cfg):  # every flag before anything is loaded or written: one line on 
 
 
 def mark_content(chat, messages, tools, where):
-    """The messages with every added-token string in their text marked as text
-    (rollout.ChatFormat.mark), so it never becomes an added token, as the rollout treats tool
-    output. A token the template itself reads in a message stays for the template (Qwen3's hybrid
-    template splits reasoning at </think> and writes the think tags itself): marking it alone
-    would change what the template renders."""
+    """The messages with every added-token string in their text marked as text (ChatFormat.mark),
+    as the rollout treats tool output; except a token the template itself reads (Qwen3's hybrid
+    template splits reasoning at </think>), whose marking alone changes what it renders."""
     marked = chat.mark_messages(messages)
     if marked == messages:  # no added-token string in any text: the common case
         return marked
@@ -143,12 +139,10 @@ def mark_content(chat, messages, tools, where):
 
 def render(chat, messages, tools=None, where="record"):
     """-> (ids, mask, same_as_one_pass): the chat template's rendering as token ids, mask 1 on the
-    assistant's own tokens (its text, tool calls, any think block the template writes into its
-    turn, its end-of-turn token). chat: a rollout.ChatFormat, so the ids follow the rollout's rule
-    (message text is never an added token: a literal <|im_end|> in a tool's output or an answer
-    stays text and does not end the turn). The pieces between the cuts are tokenized one by one,
-    as the rollout builds ids; same_as_one_pass says whether one tokenizer pass over the text
-    gives the same ids."""
+    assistant's own tokens (text, tool calls, any think block the template writes into its turn,
+    its end-of-turn token). chat: a rollout.ChatFormat, so message text is never an added token (a
+    literal <|im_end|> in a tool's output stays text), and the pieces between the cuts are
+    tokenized one by one, as the rollout builds ids; same_as_one_pass: one pass gives the same."""
     marked = mark_content(chat, messages, tools, where)
 
     def text(k, generation_prompt=False):
@@ -180,8 +174,7 @@ def render(chat, messages, tools=None, where="record"):
         ids += piece
         mask += [int((a, b) in spans)] * len(piece)
     real, tokenizer = chat.unmark(full), chat.tokenizer
-    decoded = tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-    if decoded != real:
+    if tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False) != real:
         raise DataError(f"{where}: the ids tokenized piece by piece do not decode to the chat "
                         f"template's text")
     return ids, mask, ids == tokenizer.encode(real, add_special_tokens=False)
@@ -193,15 +186,8 @@ def load_data(path, tokenizer, cfg):
     chat = ChatFormat(tokenizer)
     seqs = []
     stats = dict(records=0, truncated=0, dropped_too_long=0, dropped_no_loss=0, retokenized=0)
-    for lineno, line in enumerate(open(path), 1):
-        if not line.strip():
-            continue
-        where = f"{path}:{lineno}"
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{where}: not valid JSON ({e})") from None
-        ids, mask, same = render(chat, *check_record(record, where), where)
+    for messages, tools, where in records(path):
+        ids, mask, same = render(chat, messages, tools, where)
         stats["records"] += 1
         stats["retokenized"] += not same
         if len(ids) > cfg.max_len:
@@ -236,9 +222,8 @@ def pack(lengths, budget):
 
 
 def plan(batch, lengths, world, budget):
-    """Split a global batch over ranks balancing tokens, and pack each share. Every rank computes
-    the same plan; ranks with fewer micro-batches get empty ones, since FSDP needs every rank in
-    every forward and backward."""
+    """Split a global batch over ranks balancing tokens (the same plan on every rank), and pack each
+    share; ranks with fewer micro-batches get empty ones: FSDP needs every rank in every pass."""
     shares, load = [[] for _ in range(world)], [0] * world
     for i in sorted(batch, key=lambda i: (-lengths[i], i)):
         r = min(range(world), key=lambda r: (load[r], r))
@@ -260,8 +245,7 @@ def micro_batch(seqs, device, pad_id=0):
     targets = torch.cat([torch.cat([s[0][1:].long(), torch.tensor([pad_id])]) for s in seqs])
     mask = torch.cat([torch.cat([s[1][1:], torch.tensor([False])]) for s in seqs])
     cu = cu_seqlens_from_lengths([len(s[0]) for s in seqs])
-    return (ids[None].to(device), targets[None].to(device), mask[None].float().to(device),
-            cu.to(device))
+    return tuple(t.to(device) for t in (ids[None], targets[None], mask[None].float(), cu))
 
 
 def packed_nll(model, mb):
@@ -282,27 +266,13 @@ def lr_lambda(cfg, total_steps):
     return factor
 
 
-def evaluate_loss(model, seqs, rank, world, budget, device):
-    """Token-mean loss over held-out trajectories, all ranks sharing the work; None without any."""
-    if not seqs:
-        return None
-    totals = torch.zeros(2, dtype=torch.float64, device=device)
-    with torch.no_grad():
-        for group in plan(range(len(seqs)), [len(s[0]) for s in seqs], world, budget)[rank]:
-            mb = micro_batch([seqs[i] for i in group], device)
-            totals += torch.stack([packed_nll(model, mb).double(), mb[2].sum().double()])
-    nll, count = all_reduce(totals.tolist(), device)
-    return nll / count
-
-
 def data_order(n, seed, epoch):
     generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
     return torch.randperm(n, generator=generator).tolist()
 
 
 def inputs(cfg, rank):
-    """(base model dir, data file); the toy preset builds both on rank 0 (data/toy.py,
-    data/tiny.py)."""
+    """(base model dir, data file); the toy preset builds both on rank 0 (data/toy.py, tiny.py)."""
     if cfg.model == "toy" or cfg.data == "toy":
         from data import toy
         if rank == 0:
@@ -313,20 +283,8 @@ def inputs(cfg, rank):
     return resolve_model(cfg.model), cfg.data
 
 
-def train(cfg):
-    """Run SFT as configured; returns the final Hugging Face checkpoint directory. Works in one
-    process, under torchrun, or inside a process that already set up torch.distributed."""
-    check(cfg)
-    if cfg.data != "toy":
-        check_data(cfg.data)
-    with (distributed(cfg.device, cfg.dist_timeout) as (rank, world, device, sharded),
-          claim(cfg.out_dir, "sft.py", cfg.resume)):
-        return _train(cfg, rank, world, device, sharded)
-
-
 @dataclass
-class Run:
-    """What the loop works with, built once by setup()."""
+class Run:  # what the loop works with, built by setup()
     cfg: Config
     rank: int
     world: int
@@ -345,29 +303,49 @@ class Run:
     metrics: Metrics
 
 
-def _train(cfg, rank, world, device, sharded):
+def train(cfg):
+    """Run SFT as configured; returns the final Hugging Face checkpoint directory. Works in one
+    process, under torchrun, or inside a process that already set up torch.distributed."""
     from tqdm import tqdm
-    run = setup(cfg, rank, world, device, sharded)
-    if run.step == 0:
-        held_out(run, 0)
-    bar = tqdm(total=run.total_steps, initial=run.step, disable=not (rank == 0 and cfg.progress),
-               desc="sft")
-    path, run_tokens, run_time = None, 0, 0.0
-    while run.step < run.total_steps:
-        t_step = time.time()
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        epoch, batch, micro = step_batch(run)
-        loss_sum, loss_tokens = forward_backward(run, batch, micro)
-        grad_norm, lr = optimizer_step(run)
-        entry = log_step(run, epoch, batch, micro, loss_sum, loss_tokens, grad_norm, lr, t_step,
-                         bar)
-        run_tokens, run_time = run_tokens + entry["tokens"], run_time + entry["seconds"]
-        if cfg.eval_every and run.step % cfg.eval_every == 0 and run.step != run.total_steps:
-            held_out(run, run.step)
-        path = save(run) or path
-    bar.close()
-    return finish(run, path, run_tokens, run_time)
+    check(cfg)
+    if cfg.data != "toy":
+        check_data(cfg.data)
+    with (distributed(cfg.device, cfg.dist_timeout) as (rank, world, device, sharded),
+          claim(cfg.out_dir, "sft.py", cfg.resume)):
+        run = setup(cfg, rank, world, device, sharded)
+        if run.step == 0:
+            held_out(run, 0)
+        bar = tqdm(total=run.total_steps, initial=run.step, desc="sft",
+                   disable=not (rank == 0 and cfg.progress))
+        path, run_tokens, run_time = None, 0, 0.0
+        while run.step < run.total_steps:
+            t0 = time.time()
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            # the step's global batch (a seeded permutation per epoch), every rank's micro-batches
+            epoch, index = divmod(run.step, run.steps_per_epoch)
+            order = data_order(len(run.train_seqs), cfg.seed, epoch)
+            batch = order[index * cfg.batch_size:(index + 1) * cfg.batch_size]
+            micro = plan(batch, run.lengths, world, cfg.micro_batch_tokens)
+            nll, loss_tokens = forward_backward(run, batch, micro)
+            grad_norm, lr = clip_grads(run.model, cfg.grad_clip), run.scheduler.get_last_lr()[0]
+            run.optimizer.step()
+            run.scheduler.step()
+            run.optimizer.zero_grad(set_to_none=True)
+            run.step += 1
+            entry = log_step(run, epoch, batch, micro, nll, loss_tokens, grad_norm, lr, t0, bar)
+            run_tokens, run_time = run_tokens + entry["tokens"], run_time + entry["seconds"]
+            if cfg.eval_every and run.step % cfg.eval_every == 0 and run.step != run.total_steps:
+                held_out(run, run.step)
+            path = save(run) or path
+        bar.close()
+        eval_loss = held_out(run, run.step) if path else None
+        path = path or checkpoints(cfg.out_dir)[-1][1]  # a resumed, finished run trained nothing
+        run.metrics.log(event="end", step=run.step, checkpoint=path, eval_loss=eval_loss,
+                        tokens_per_s=run_tokens / run_time if run_time else None)
+        print0(f"done: {run.step} steps, held-out loss {eval_loss}, checkpoint {path}")
+        run.metrics.finish(dict(steps=run.step, eval_loss=eval_loss))
+        return path
 
 
 def setup(cfg, rank, world, device, sharded):
@@ -382,7 +360,6 @@ def setup(cfg, rank, world, device, sharded):
     base_path, data_path = inputs(cfg, rank)
     check_shared(cfg.out_dir, [data_path, base_path])
     tokenizer = AutoTokenizer.from_pretrained(base_path)
-
     t0 = time.time()
     seqs, stats = load_data(data_path, tokenizer, cfg)
     split = data_order(len(seqs), cfg.seed, -1)
@@ -399,7 +376,6 @@ def setup(cfg, rank, world, device, sharded):
            f"{stats['max_len']}; {stats['truncated']} truncated, {stats['dropped_too_long']} "
            f"dropped as too long, {stats['dropped_no_loss']} without assistant tokens; "
            f"{stats['retokenized']} tokenized differently in one pass ({time.time() - t0:.1f}s)")
-
     model = build_model(base_path, device, sharded)
     model.attn_backend = cfg.attn_backend
     model.gradient_checkpointing = cfg.gradient_checkpointing
@@ -426,27 +402,26 @@ def setup(cfg, rank, world, device, sharded):
 
 
 def held_out(run, at):
-    loss = evaluate_loss(run.model, run.eval_seqs, run.rank, run.world,
-                         run.cfg.micro_batch_tokens, run.device)
-    if loss is not None:
-        run.metrics.log(event="eval", step=at, eval_loss=loss)
-    return loss
-
-
-def step_batch(run):
-    """The step's global batch (a seeded permutation per epoch) and every rank's micro-batches."""
-    epoch, index = divmod(run.step, run.steps_per_epoch)
-    size = run.cfg.batch_size
-    batch = data_order(len(run.train_seqs), run.cfg.seed, epoch)[index * size:(index + 1) * size]
-    micro = plan(batch, run.lengths, run.world, run.cfg.micro_batch_tokens)
-    return epoch, batch, micro
+    """Token-mean loss over the held-out trajectories (all ranks share the work), logged at step
+    `at`; None without any."""
+    seqs, device = run.eval_seqs, run.device
+    if not seqs:
+        return None
+    totals = torch.zeros(2, dtype=torch.float64, device=device)
+    with torch.no_grad():
+        for group in plan(range(len(seqs)), [len(s[0]) for s in seqs], run.world,
+                          run.cfg.micro_batch_tokens)[run.rank]:
+            mb = micro_batch([seqs[i] for i in group], device)
+            totals += torch.stack([packed_nll(run.model, mb).double(), mb[2].sum().double()])
+    nll, count = all_reduce(totals.tolist(), device)
+    run.metrics.log(event="eval", step=at, eval_loss=nll / count)
+    return nll / count
 
 
 def forward_backward(run, batch, micro):
-    """This rank's micro-batches, forward and backward; the gradient is the token mean over every
-    assistant token of the global batch (each micro-batch's summed NLL / the batch's count; x world
-    because FSDP2 averages over the ranks: distributed.build_model).
-    -> (summed NLL, token count)."""
+    """This rank's micro-batches, forward and backward -> (summed NLL, token count). The gradient
+    is the token mean over every assistant token of the global batch (each micro-batch's summed
+    NLL / the batch's count; x world as FSDP2 averages over the ranks: distributed.build_model)."""
     loss_tokens = sum(int(run.train_seqs[i][1][1:].sum()) for i in batch)  # the whole batch's
     nll_sum = torch.zeros((), dtype=torch.float64, device=run.device)
     # FSDP2 reduce-scatters each micro-batch's gradient as its backward ends, as rl.update does:
@@ -460,22 +435,11 @@ def forward_backward(run, batch, micro):
     return all_reduce([float(nll_sum)], run.device)[0], loss_tokens
 
 
-def optimizer_step(run):
-    grad_norm = clip_grads(run.model, run.cfg.grad_clip)
-    lr = run.scheduler.get_last_lr()[0]
-    run.optimizer.step()
-    run.scheduler.step()
-    run.optimizer.zero_grad(set_to_none=True)
-    run.step += 1
-    return grad_norm, lr
-
-
-def log_step(run, epoch, batch, micro, loss_sum, loss_tokens, grad_norm, lr, t_step, bar):
+def log_step(run, epoch, batch, micro, loss_sum, loss_tokens, grad_norm, lr, t0, bar):
     cfg, world, lengths = run.cfg, run.world, run.lengths
-    seconds, tokens = time.time() - t_step, sum(lengths[i] for i in batch)
+    seconds, tokens = time.time() - t0, sum(lengths[i] for i in batch)
     # ranks run their micro-batches in lockstep: each costs what the largest over ranks costs
-    slots = world * sum(max(sum(lengths[i] for i in micro[r][k]) for r in range(world))
-                        for k in range(len(micro[0])))
+    slots = world * sum(max(sum(lengths[i] for i in g) for g in step) for step in zip(*micro))
     entry = dict(event="train", step=run.step, epoch=epoch, loss=loss_sum / loss_tokens, lr=lr,
                  grad_norm=grad_norm, tokens=tokens, loss_tokens=loss_tokens,
                  micro_batches=len(micro[0]), padding_waste=1 - tokens / slots,
@@ -504,16 +468,6 @@ def save(run):
     return save_checkpoint(cfg.out_dir, run.step, run.model, run.optimizer, run.tokenizer,
                            trainer, run.base_path, save_dtype, cfg.keep_train_state,
                            last=run.step == run.total_steps)
-
-
-def finish(run, path, run_tokens, run_time):
-    eval_loss = held_out(run, run.step) if path else None
-    path = path or checkpoints(run.cfg.out_dir)[-1][1]  # a resumed, finished run trained nothing
-    run.metrics.log(event="end", step=run.step, checkpoint=path, eval_loss=eval_loss,
-                    tokens_per_s=run_tokens / run_time if run_time else None)
-    print0(f"done: {run.step} steps, held-out loss {eval_loss}, checkpoint {path}")
-    run.metrics.finish(dict(steps=run.step, eval_loss=eval_loss))
-    return path
 
 
 def main(argv=None):

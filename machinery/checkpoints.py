@@ -21,10 +21,9 @@ from machinery.flags import damaged_weights
 
 
 def check_resume(trainer, current, fields_that_matter, total_steps, path):
-    """Refuse to resume a run whose saved config differs in a field that changes the data order
-    or the schedule, naming it and the ways on, unless --resume_override; and refuse a resume that
-    would train nothing (its checkpoint at or past the last step) and only rewrite the finished
-    run's summary with other settings."""
+    """Refuse a resume whose saved config differs in a field that changes the data order or the
+    schedule (unless --resume_override), naming it and the ways on; and one that would train
+    nothing (at or past the last step), only rewriting the finished run's summary."""
     saved, out_dir = trainer["config"], os.path.dirname(path)
     changed = [f"--{k} is {current.get(k)!r}, {path} was made with {saved.get(k)!r}"
                for k in fields_that_matter if saved.get(k) != current.get(k)]
@@ -43,12 +42,11 @@ LOCK = ".lock"
 
 @contextlib.contextmanager
 def claim(out_dir, stage, resume=None):
-    """The run's hold on out_dir, for a with block. Rank 0 holds an flock on out_dir/.lock (the
-    kernel lets go of it when the process ends, even by kill -9), so a second run into the same
-    directory stops with one line naming the first, instead of both writing there. resume (the
-    trainers'): a run that will start fresh (--resume=false, or no checkpoint to resume) moves a
-    run already in out_dir aside to out_dir.replaced-N, and says so, instead of overwriting it.
-    A collective: every rank stops, or none."""
+    """The run's hold on out_dir, for a with block: rank 0 holds an flock on out_dir/.lock (let go
+    when the process ends, even by kill -9), so a second run into it stops with one line naming
+    the first. resume (the trainers'): a run that starts fresh (--resume=false, or nothing to
+    resume) moves a run already in out_dir aside to out_dir.replaced-N, and says so. A collective:
+    every rank stops, or none."""
     held, problem = None, None
     if dist.get_rank() == 0:
         os.makedirs(out_dir, exist_ok=True)
@@ -80,7 +78,7 @@ def claim(out_dir, stage, resume=None):
 
 def move_aside(out_dir, stage):
     """A run's files in out_dir (checkpoints, metrics, summary, all beside them) into a new
-    out_dir.replaced-N, which the line printed names."""
+    out_dir.replaced-N, and a line saying so."""
     names = [n for n in os.listdir(out_dir) if n != LOCK]
     if not any(n.startswith("step_") or n in ("metrics.jsonl", "summary.json") for n in names):
         return
@@ -96,14 +94,11 @@ def move_aside(out_dir, stage):
 
 def checkpoints(out_dir, resumable=False):
     """[(step, path)] of the complete checkpoints in out_dir, oldest first."""
-    found = []
-    for name in (os.listdir(out_dir) if os.path.isdir(out_dir) else []):
-        if not (name.startswith("step_") and name[5:].isdigit()):
-            continue
-        path = os.path.join(out_dir, name)
-        if not resumable or os.path.exists(os.path.join(path, "train_state", "trainer.pt")):
-            found.append((int(name[5:]), path))
-    return sorted(found)
+    names = os.listdir(out_dir) if os.path.isdir(out_dir) else []
+    found = sorted((int(n[5:]), os.path.join(out_dir, n)) for n in names
+                   if n.startswith("step_") and n[5:].isdigit())
+    return [(step, path) for step, path in found
+            if not resumable or os.path.exists(os.path.join(path, "train_state", "trainer.pt"))]
 
 
 def damaged(path):
@@ -133,15 +128,13 @@ def damaged(path):
 
 
 def latest_resumable(out_dir):
-    """Rank 0's newest resumable checkpoint that is whole, the same on every rank (None when
-    there is none); a damaged newer one is named and passed over. One decision for all ranks:
-    stops when a rank cannot read the chosen checkpoint, or sees one where rank 0 sees none
-    (out_dir must be one shared directory)."""
+    """Rank 0's newest whole resumable checkpoint, the same on every rank (None when there is
+    none); a damaged newer one is named and passed over. Stops when a rank cannot read the chosen
+    one, or sees one where rank 0 sees none (out_dir must be one shared directory)."""
     chosen, skipped = None, []
     if dist.get_rank() == 0:
-        for step, path in reversed(checkpoints(out_dir, resumable=True)):
-            problem = damaged(path)
-            if problem is None:
+        for _, path in reversed(checkpoints(out_dir, resumable=True)):
+            if (problem := damaged(path)) is None:
                 chosen = path
                 break
             skipped.append(problem)
@@ -167,10 +160,9 @@ def save_checkpoint(out_dir, step, model, optimizer, tokenizer, trainer, base_pa
                     dtype=None, keep=1, last=True):
     """out_dir/step_NNNNNN: a Hugging Face directory (full weights gathered on rank 0's CPU) plus
     train_state/ (fp32 weights and optimizer sharded by torch.distributed.checkpoint, each rank's
-    RNG, the trainer dict). Written into .tmp_step_NNNNNN and renamed once complete, so a kill
-    leaves the previous checkpoint; out_dir/final then points at it when it is the run's `last`
-    (an interrupted run leaves no final). Only the newest `keep` checkpoints keep their
-    train_state. A collective: every rank calls it."""
+    RNG, the trainer dict). Written into .tmp_step_NNNNNN and renamed once complete; out_dir/final
+    then points at it if it is the run's `last`. Only the newest `keep` checkpoints keep their
+    train_state. A collective."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                          get_state_dict)
@@ -182,8 +174,8 @@ def save_checkpoint(out_dir, step, model, optimizer, tokenizer, trainer, base_pa
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(os.path.join(tmp, "train_state"))
     barrier()
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    full = get_model_state_dict(model, options=options)
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+                                                                cpu_offload=True))
     if rank == 0:  # the HF directory: the gathered weights assigned into a model built on meta
         with torch.device("meta"):
             hf = Transformer(model.config)
@@ -234,7 +226,7 @@ def load_checkpoint(path, model, optimizer):
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     weights, optim = get_state_dict(model, optimizer)
     state = {"model": weights, "optim": optim}
-    with warnings.catch_warnings():  # no_dist says "assuming ... a single process": it is one
+    with warnings.catch_warnings():  # as in save_checkpoint
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(state, checkpoint_id=os.path.join(path, "train_state", "dcp"),
                  no_dist=world_size() == 1)
@@ -248,3 +240,4 @@ def load_checkpoint(path, model, optimizer):
         if rng.get("cuda") is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"])
     return torch.load(os.path.join(path, "train_state", "trainer.pt"), weights_only=False)
+

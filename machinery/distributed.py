@@ -1,10 +1,9 @@
 """machinery/distributed.py: what the stages share to run as one process or under torchrun:
-distributed set-up and the few collectives the trainers use (none of them runs in a one-process
-run), rank-0 printing, hub-id resolution, FSDP2 model building (where the trainers' x world comes
-from), the sandbox's start-up check; and what makes a run over several nodes right, or stops it
-in one line at start-up (every rank sees rank 0's out_dir and inputs, every rank evaluates the
-same model, long per-rank work waits on a group of its own, `srun python` without torchrun is
-refused). The README ("More than one node") says how to launch."""
+set-up, the few collectives the trainers use (none runs in a one-process run), rank-0 printing,
+hub-id resolution, FSDP2 model building, the sandbox's start-up check; and what makes a run over
+several nodes right, or stops it in one line at start-up (every rank sees rank 0's out_dir and
+inputs and evaluates the same model, long per-rank work waits on a group of its own, `srun
+python` without torchrun is refused). README ("More than one node") says how to launch."""
 
 import contextlib
 import hashlib
@@ -22,28 +21,25 @@ from machinery.flags import damaged_weights, looks_local
 
 # How long a rank waits in a collective (the trainers' --dist_timeout, in minutes): longer than
 # the ranks of a training step drift apart (uneven rollouts, rank 0 writing a 4B checkpoint), short
-# enough that a stuck node stops the job. Evaluations gather on a group of their own
-# (gather_objects).
+# enough that a stuck node stops the job.
 DIST_TIMEOUT = timedelta(minutes=30)
-# Evaluations gather their results on a gloo group of their own, which waits this long: ranks'
-# shares of an evaluation can finish hours apart (gather_objects).
+# Evaluations gather on a gloo group of their own that waits this long: ranks' shares of an
+# evaluation can finish hours apart (gather_objects).
 GATHER_TIMEOUT = timedelta(hours=12)
 _gather_groups = {}   # the default group -> its gather group; distributed() takes them down
 
 
 def allocator_defaults(env=os.environ):
     """Expandable segments for torch's CUDA allocator unless the user set its options (either
-    name): each stage calls it first, before CUDA starts, when the allocator reads them once. The
-    KV pool is sized from allocated bytes (rollout.kv_budget); with expandable segments what the
-    allocator reserves stays near them across the step's changing shapes (no fragmentation)."""
+    name); called before CUDA starts. The KV pool is sized from allocated bytes (rollout.kv_budget):
+    with expandable segments, what is reserved stays near them (no fragmentation)."""
     if not {"PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"} & set(env):
         env["PYTORCH_ALLOC_CONF"] = "expandable_segments:True"
 
 
 def setup_distributed(device="auto", timeout_minutes=None):
     """(rank, world, device, under_torchrun). Always leaves a process group behind (a world of
-    one when not under torchrun), so the code is the same in both cases; the collectives below
-    skip a world of one."""
+    one outside torchrun), so the code reads the same in both cases."""
     if dist.is_initialized():
         cuda = dist.get_backend() == "nccl"
     else:
@@ -83,8 +79,7 @@ def gather_group():
     """The gloo group with GATHER_TIMEOUT for gathers after long per-rank work. Made on the first
     call, a collective: every rank calls it at the same point, while the ranks are together."""
     if dist.group.WORLD not in _gather_groups:
-        group = dist.new_group(backend="gloo", timeout=GATHER_TIMEOUT)
-        _gather_groups[dist.group.WORLD] = group
+        _gather_groups[dist.group.WORLD] = dist.new_group(backend="gloo", timeout=GATHER_TIMEOUT)
     return _gather_groups[dist.group.WORLD]
 
 
@@ -110,21 +105,31 @@ def all_reduce(values, device, op=dist.ReduceOp.SUM):
     return t.tolist()
 
 
+def _all_gather(obj, long_wait=False):
+    """Every rank's obj in rank order (long_wait: on gather_group)."""
+    if world_size() == 1:
+        return [obj]
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, obj, group=gather_group() if long_wait else None)
+    return parts
+
+
 def all_gather_list(items):
     """Every rank's list of picklable items, concatenated in rank order."""
-    if world_size() == 1:
-        return list(items)
-    parts = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, list(items))
-    return [x for part in parts for x in part]
+    return [x for part in _all_gather(list(items)) for x in part]
 
 
-def broadcast_object(obj, src=0):
-    """Rank src's obj on every rank."""
+def gather_objects(obj):
+    """Every rank's obj in rank order, on gather_group: for gathers after long per-rank work."""
+    return _all_gather(obj, long_wait=True)
+
+
+def broadcast_object(obj):
+    """Rank 0's obj on every rank."""
     if world_size() == 1:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=src)
+    dist.broadcast_object_list(box, src=0)
     return box[0]
 
 
@@ -134,9 +139,9 @@ def print0(*args):
 
 
 def resolve_model(path):
-    """A local directory as is, once its weight files are checked whole; a path that looks local
-    and is not there is refused. A hub id is downloaded once per node (each node has its own
-    cache) by its local rank 0, then read from the cache; one line when that fails."""
+    """A local directory as is, once its weight files are checked whole (a path that looks local
+    and is not there: refused); a hub id downloaded by each node's local rank 0, then read from
+    the node's cache; one line when that fails."""
     if os.path.isdir(path):
         if problem := damaged_weights(path):
             raise SystemExit(f"--model {path}: {problem}")
@@ -163,15 +168,13 @@ def resolve_model(path):
 
 def build_model(path, device, sharded):
     """A model to train. One CPU process: the checkpoint as is, in fp32. Under torchrun, and on
-    CUDA always (one process too: fp32 GQA attention has no fused SDPA kernel, a 20k-token sequence
-    would materialise [heads, T, T] scores): FSDP2 with each block one unit and the root
-    (embeddings, final norm, tied head) another; on CUDA bf16 compute with fp32 master weights and
-    gradient reduction. Rank 0 alone reads the weights and broadcasts them into the sharded model,
-    built on the meta device (no rank holds a full fp32 copy but rank 0).
+    CUDA always (fp32 GQA attention has no fused SDPA kernel: a 20k-token sequence would
+    materialise [heads, T, T] scores): FSDP2, each block one unit and the root (embeddings, final
+    norm, tied head) another, on CUDA bf16 compute with fp32 master weights and gradient reduction;
+    built on meta, rank 0 alone reads the weights and broadcasts them.
 
-    FSDP2's reduce-scatter AVERAGES gradients over the ranks (it divides their sum by the world
-    size). The trainers want a sum: each rank's loss is already its share of the global token
-    mean, so they backpropagate loss x world (rl.update, sft's step) and the average becomes it."""
+    FSDP2's reduce-scatter AVERAGES gradients over the ranks; the trainers want the sum (each
+    rank's loss is its share of the global token mean), so they backpropagate loss x world."""
     from model import ModelConfig, Transformer
     if not (sharded or device.type == "cuda"):
         return Transformer.from_pretrained(path, device=device, dtype=torch.float32)
@@ -186,10 +189,8 @@ def build_model(path, device, sharded):
     for block in model.model.layers:
         fully_shard(block, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
-    # not forward(): gather the root's weights around it
-    register_fsdp_forward_method(model, "token_logprobs")
-    # token_logprobs returns a view; FSDP warns about in-place use of it, and it is only used out
-    # of place
+    register_fsdp_forward_method(model, "token_logprobs")  # not forward(): gather the root too
+    # token_logprobs returns a view, which FSDP warns about; it is only used out of place
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     model.to_empty(device=device)
     full = {}
@@ -198,9 +199,8 @@ def build_model(path, device, sharded):
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     set_model_state_dict(model, full, options=options)
     model.tie_weights()
-    # FSDP sets itself up on the first forward through the root; the sampler calls model.hidden
-    # (no hooks), so one tiny forward (a collective) settles it, then the root gives back its
-    # weights
+    # FSDP sets itself up on the first forward through the root, and the sampler calls
+    # model.hidden (no hooks): one tiny forward (a collective) settles it, then reshard
     with torch.no_grad():
         model(torch.zeros(1, 2, dtype=torch.long, device=device))
     model.reshard()
@@ -208,9 +208,8 @@ def build_model(path, device, sharded):
 
 
 def start_sandbox(workers, require, rank):
-    """Every rank starts its sandbox pool (workers 0: its share of the cores) and waits for it
-    before any rollout: a sandbox that cannot start stops the run with its own error, instead of
-    a dead tool for the whole run. The pool prints its line of layers itself, as it starts."""
+    """Every rank starts its sandbox pool (workers 0: its share of the cores) before any rollout:
+    one that cannot start stops the run with its error, instead of a dead tool for the run."""
     import sandbox
     sandbox.configure(workers or None, require)
     try:
@@ -225,17 +224,15 @@ def compute_dtype(device):
 
 
 def clip_grads(model, max_norm):
-    """Clip the gradients' global norm to max_norm (0: no clipping); returns the norm before, a
-    float (under FSDP2 clip_grad_norm_ returns a DTensor)."""
+    """Clip the gradients' global norm to max_norm (0: no clipping) -> the norm before, a float."""
     limit = max_norm if max_norm > 0 else float("inf")
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), limit)
-    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # FSDP2: a DTensor
 
 
 def refuse_bare_srun(env=os.environ):
     """`srun python rl.py` starts one copy per Slurm task, each unaware of the others (no RANK):
-    N independent runs on one out_dir. Refused, saying how to launch instead. srun sets the
-    step's task count; a batch script's own shell (plain `python rl.py` in it) has none."""
+    N runs on one out_dir, refused. srun sets the step's task count, a batch script's shell not."""
     tasks = env.get("SLURM_STEP_NUM_TASKS") or "1"
     if "RANK" not in env and "SLURM_PROCID" in env and int(tasks) > 1:
         raise SystemExit(f"Slurm task {env['SLURM_PROCID']} of {tasks} without torchrun: each "
@@ -249,8 +246,8 @@ def host():
 
 
 def _describe(path):
-    """What rank 0 sees at path, to compare: a file's size, a directory's file names and sizes;
-    None when path is not there (a hub id, or a path the stage itself will refuse)."""
+    """A file's size, a directory's file names and sizes; None when path is not there (a hub id,
+    or a path the stage itself will refuse)."""
     if not path or not os.path.exists(path):
         return None
     if os.path.isfile(path):
@@ -260,10 +257,9 @@ def _describe(path):
 
 
 def check_shared(out_dir, inputs):
-    """Stop at start-up unless every rank sees what rank 0 sees: a file rank 0 writes into
-    out_dir (checkpoint shards from every rank meet there), and each input path (data, model)
-    with the same sizes. One line names each rank that cannot see something, and what. A
-    collective; nothing in a world of one."""
+    """Stop at start-up unless every rank sees what rank 0 sees: a file rank 0 writes into out_dir
+    (every rank's checkpoint shards meet there), and each input path (data, model) with the same
+    sizes; one line names each rank that cannot, and what. A collective."""
     if world_size() == 1:
         return
     rank = dist.get_rank()
@@ -274,14 +270,12 @@ def check_shared(out_dir, inputs):
         with open(marker, "w") as f:
             f.write(token)
     token, seen = broadcast_object((token, [_describe(p) for p in inputs] if rank == 0 else None))
-    missing = []
     try:
         with open(marker) as f:
             ok = f.read() == token
     except OSError:
         ok = False
-    if not ok:
-        missing.append(f"out_dir {out_dir} (rank 0's {marker} is not there)")
+    missing = [] if ok else [f"out_dir {out_dir} (rank 0's {marker} is not there)"]
     for path, theirs in zip(inputs, seen):
         if theirs is not None and _describe(path) != theirs:
             what = "missing" if not os.path.exists(path) else "not the same files as rank 0's"
@@ -313,8 +307,8 @@ def weights_hash(path, samples=16, chunk=1 << 20):
 
 
 def same_model(path):
-    """path on every rank, after checking that every rank names the same model and reads the same
-    weights (else one line naming the ranks' paths and hashes). A collective."""
+    """path, once every rank names the same model and reads the same weights (else one line naming
+    the ranks' paths and hashes). A collective."""
     if world_size() > 1:
         gather_group()  # made now, while the ranks are together (a collective)
     seen = all_gather_list([(path, weights_hash(path) if os.path.isdir(path) else None, host())])
@@ -324,17 +318,6 @@ def same_model(path):
         raise SystemExit(f"the ranks would evaluate different models: {ranks}; pass the same "
                          f"--model on a shared filesystem")
     return path
-
-
-def gather_objects(obj):
-    """Every rank's obj in rank order, on a gloo group with a long timeout (gather_group):
-    for gathers after long per-rank work, which the training timeout would cut short. A
-    collective."""
-    if world_size() == 1:
-        return [obj]
-    parts = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, obj, group=gather_group())
-    return parts
 
 
 def world_advice(mini_batch, prompts_per_step, world):

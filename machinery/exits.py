@@ -15,10 +15,9 @@ DISK = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is used 
 
 @contextlib.contextmanager
 def quiet_interrupt(say, where):
-    """Ctrl-C: one line on rank 0, say("interrupted") (where the work is kept and how to go on),
-    and exit status 130, instead of a traceback from wherever the run was (the sandbox pool closes
-    at exit, cancelling its queued runs). A disk that is full or read-only under `where` (the
-    output directory): one line naming the file and the disk, and exit status 1."""
+    """Ctrl-C: say("interrupted") on rank 0 and exit status 130 (the sandbox pool closes at exit,
+    cancelling its queued runs). A disk full or read-only under `where` (the output directory):
+    say() of a line naming the file and the disk, and exit status 1."""
     try:
         yield
     except BaseException as e:
@@ -63,23 +62,21 @@ def disk_trouble(error, where):
 
 
 def resume_line(stage, out_dir, why):
-    """What quiet_interrupt says for a trainer: why it stopped, its newest resumable checkpoint
-    and that the same command resumes from it; without one, that it starts again."""
+    """What quiet_interrupt says for a trainer: why it stopped, and the newest resumable checkpoint
+    the same command resumes from (or that it starts again)."""
     from machinery.checkpoints import checkpoints
-    found = checkpoints(out_dir, resumable=True)
-    if not found:
+    if not (found := checkpoints(out_dir, resumable=True)):
         return f"{stage}: {why}; no checkpoint yet: the same command starts again"
     return (f"{stage}: {why}; the newest checkpoint is {found[-1][1]} (step {found[-1][0]}); "
             f"the same command resumes from it")
 
 
 def exit_worker():
-    """How a torchrun worker leaves after a run that ended well: Python threads joined and atexit
-    handlers run, as at any exit, then os._exit(0) instead of the interpreter's teardown. torch's
-    DTensor caches keep a gloo group alive past destroy_process_group, and one of its worker
-    threads can still be letting go of the last collective's tensors, which takes the GIL; Python
-    ends a thread that asks for the GIL during teardown, and the process aborts (pytorch#190489;
-    1 run in 10 of a two-rank CPU test on a busy machine). One process: a plain return."""
+    """How a torchrun worker leaves after a run that ended well: threads joined and atexit handlers
+    run, then os._exit(0) instead of the interpreter's teardown. DTensor caches keep a gloo group
+    alive past destroy_process_group, and its worker thread may still take the GIL to let go of
+    the last collective's tensors; a thread asking for the GIL during teardown aborts the process
+    (pytorch#190489; 1 run in 10 of a two-rank CPU test). One process: a plain return."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return
     import atexit

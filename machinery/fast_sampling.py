@@ -1,17 +1,9 @@
 """machinery/fast_sampling.py: the fast paths of rollout.py's paged KV cache (a first reading can
-skip them). rollout.PagedKVCache is the reference (paging, prefix sharing, preemption); what is
-here changes where K/V is read from, not what attention computes:
-
-- RowKVCache (without flash-attn, CPU or CUDA): decoding rows kept contiguous between steps.
-- FlashKVCache (flash-attn on CUDA): flash-attn reads the pools through the block tables; decode
-  steps run at a fixed batch size per `bucket`, each captured once as a CUDA graph and replayed.
-- CpuForward: the model call's CPU speed-ups (transposed weight copies, torch.compile).
-- upload: host lists to the device through pinned memory, so the copy does not sync.
-
-This file imports only torch and model.py, never rollout.py: the two caches are mixins over the
-plain cache's methods (super() for all they leave alone), and `kv_cache`, handed
-rollout.PagedKVCache by the Engine, mixes the chosen one over it.
-"""
+skip them). rollout.PagedKVCache is the reference (paging, prefix sharing, preemption); these
+change where K/V is read from, not what attention computes: RowKVCache (without flash-attn) keeps
+decoding rows contiguous, FlashKVCache (flash-attn on CUDA) replays a CUDA graph per decode batch
+`bucket`, CpuForward speeds up the model call on CPU. The caches are mixins over the plain cache
+(super() for all they leave alone), which the Engine hands to `kv_cache`: no import of rollout."""
 
 import contextlib
 import functools
@@ -31,10 +23,9 @@ def upload(values, device, dtype=None):
 
 def kv_cache(paged, config, num_blocks, block_size, device, dtype, flash, row_budget, max_batch,
              max_seq_lens):
-    """The cache an Engine runs on: paged (rollout.PagedKVCache) with one fast path mixed in. flash
-    (the Engine's use_flash): FlashKVCache, decode steps bucketed up to max_batch rows, tables as
-    wide as the longest of max_seq_lens needs; else RowKVCache, its row buffers holding at most
-    row_budget token positions (0: decode gathers blocks, as the plain path does)."""
+    """The cache an Engine runs on: paged (rollout.PagedKVCache) with one fast path mixed in. flash:
+    FlashKVCache, decode steps bucketed up to max_batch rows, tables as wide as the longest of
+    max_seq_lens needs; else RowKVCache, its rows holding at most row_budget token positions."""
     if flash:
         longest = max(max_seq_lens) if max_seq_lens else config.max_position_embeddings
         return _over(FlashKVCache, paged)(config, num_blocks, block_size, device, dtype,
@@ -49,12 +40,11 @@ def _over(fast, paged):
 
 
 class RowKVCache:
-    """Fast path 1 (the default without flash-attn, CPU or CUDA): while the same sequences keep
-    decoding, each step writes its one token per row into contiguous row buffers
-    [2, rows, Hkv, capacity, D] as well as into the pool, and reads the rows instead of gathering
-    every block again (17-38% of the rollout bench's rows on CPU). A new set of rows, or a row that
-    outgrows them, lays them out again, refilled from the pool once. Rows are padded to the
-    longest: past row_budget tokens, decode gathers blocks as the plain path does."""
+    """Fast path 1 (without flash-attn, CPU or CUDA): while the same sequences keep decoding, each
+    step writes its token per row into contiguous row buffers [2, rows, Hkv, capacity, D] as well
+    as into the pool, and reads the rows instead of gathering every block again (17-38% of the
+    rollout bench's rows on CPU). New rows, or a row that outgrows them, lay them out again from
+    the pool. Rows are padded to the longest; past row_budget, decode gathers blocks."""
 
     row_headroom = 128  # free positions past the longest row when the rows are laid out
 
@@ -121,10 +111,9 @@ def bucket(n):
 
 
 def cuda_graph(fn, pool, stream):
-    """fn() captured in a CUDA graph on `stream`; returns replay(), which reruns it on the same
-    buffers, returning its output. The warm-up runs on that stream too, outside the capture: lazy
-    initialisation, the allocator's first requests and cuBLAS's workspace for the stream (one per
-    stream; allocated inside a capture it would live in the graph pool and keep it alive)."""
+    """fn() captured in a CUDA graph on `stream` -> replay(), which reruns it on the same buffers
+    and returns its output. A warm-up on that stream, outside the capture, does lazy set-up and
+    makes cuBLAS's per-stream workspace (made inside a capture, it would keep the graph pool)."""
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         fn()
@@ -141,9 +130,9 @@ def cuda_graph(fn, pool, stream):
 
 class FlashKVCache:
     """Fast path 2 (flash-attn on CUDA, blocks of 256): flash-attn reads the pools through the block
-    tables, a prefill with flash_attn_varlen_func, a decode step with flash_attn_with_kvcache. A
-    decode step (decode_step: the Engine calls it instead of begin and the model) is laid out in
-    static buffers at its bucket's batch size, so it is captured once per bucket as a CUDA graph."""
+    tables (prefill: flash_attn_varlen_func, decode: flash_attn_with_kvcache). decode_step (called
+    by the Engine instead of begin and the model) lays a step out in static buffers at its
+    bucket's batch size, so it is captured once per bucket as a CUDA graph."""
 
     def __init__(self, config, num_blocks, block_size, device, dtype, max_batch, longest):
         super().__init__(config, num_blocks, block_size, device, dtype)
@@ -156,8 +145,7 @@ class FlashKVCache:
         self.weights_at = None   # where the weights were when the graphs were captured
 
     def reset_graphs(self):
-        """Drop every graph, and capture the next ones into a fresh memory pool: the old pool goes
-        with the graphs that used it, never shared with graphs captured after them."""
+        """Drop every graph; the next ones capture into a fresh pool, not the dropped ones'."""
         self.graphs = {}
         self.graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
 
@@ -222,8 +210,7 @@ class FlashKVCache:
         return b
 
     def _bucketed_step(self, model, b):
-        """The decode step of bucket b. It reads only the static buffers, so its CUDA graph replays
-        any step of that bucket."""
+        """Bucket b's decode step: it reads only the static buffers, so its graph replays any."""
         meta = self.static[0][:, :b]
         slots = meta[2].long()
         self.pool_index = torch.stack([slots, slots + self.v_offset], 1)
@@ -259,8 +246,7 @@ register_optimizer_step_post_hook(_count_step)
 
 def transposed_weights(module, old=None):
     """{Linear in module: (version, contiguous [in, out] copy of its weight)}, for `transposed`;
-    entries of `old` whose weight is unchanged (same storage, same version counter, no optimizer
-    step since) are reused, the others remade."""
+    `old`'s entries whose weight is unchanged (storage, version counter, optimizer steps) reused."""
     new = {}
     # old holds the same modules: no walk of the module tree
     for m in old or [m for m in module.modules() if isinstance(m, Linear)]:
@@ -284,10 +270,9 @@ def transposed(copies):
 
 class CpuForward:
     """The model call of the Engine's eager steps, with its CPU speed-ups: matmuls against
-    transposed weight copies (model.Linear; remade when a weight changes), and with compile=True,
-    decode steps of one length group through torch.compile (needs a C++ compiler; each new graph
-    compiles for ~30 s: with and without a padding mask, one row and more; other steps run
-    eagerly). Elsewhere it is model.hidden as it is."""
+    transposed weight copies (model.Linear; remade when a weight changes) and, with compile=True,
+    decode steps of one length group through torch.compile (needs a C++ compiler; ~30 s per new
+    graph: with and without a padding mask, one row and more). Elsewhere model.hidden as it is."""
 
     def __init__(self, model, compile=False):
         self.model, self.weights_t = model, {}   # weights_t: CPU [in, out] copies

@@ -1,9 +1,7 @@
 """machinery/flags.py: how a stage reads its flags (parse_config: one dataclass, --name=value)
-and the rules it checks them by before it loads a model or writes a file (rl.check, sft.check,
-evaluate.check, scripts/chat.py); the model directory's and the SFT data file's checks. A value
-that cannot work stops the run with one line naming the flag, the value and what is allowed,
-instead of a traceback minutes later (a ZeroDivisionError after the held-out evaluation, an empty
-result that exits 0)."""
+and the rules it checks them by before it loads a model or writes a file; the model directory's
+and the SFT data file's checks. A value that cannot work stops the run with one line naming the
+flag, the value and what is allowed, instead of a traceback minutes later."""
 
 import argparse
 import dataclasses
@@ -24,19 +22,14 @@ def _bool(text):
 
 
 def _field_comments(cls):
-    """field -> the comment on its line in the class source (what --help says of it);
-    {} without source."""
+    """field -> the comment on its line in the class source (what --help says of it); {} without
+    source."""
     try:
-        source = inspect.getsource(cls)
+        tokens = tokenize.generate_tokens(io.StringIO(inspect.getsource(cls)).readline)
     except (OSError, TypeError):
         return {}
-    lines = source.splitlines()
-    comments = {}
-    for t in tokenize.generate_tokens(io.StringIO(source).readline):
-        if t.type == tokenize.COMMENT:
-            name = lines[t.start[0] - 1].split(":")[0].strip()
-            comments[name] = t.string.lstrip("# ").replace("%", "%%")
-    return comments
+    return {t.line.split(":")[0].strip(): t.string.lstrip("# ").replace("%", "%%")
+            for t in tokens if t.type == tokenize.COMMENT}
 
 
 class Parser(argparse.ArgumentParser):
@@ -48,10 +41,9 @@ class Parser(argparse.ArgumentParser):
 
 def parse_config(cls, argv, doc="", presets=None):
     """A `cls` dataclass from --name value / --name=value flags ('-' and '_' alike; a bare bool
-    flag means true). presets: {name: {field: value}}; `--preset NAME` sets those defaults under
-    the explicit flags. `--` (torchrun's separator) is skipped; --help lists every default, with
-    the comment beside the field in the dataclass. A flag it does not know stops it with one line
-    naming the closest one (--step: did you mean --steps?)."""
+    flag means true). presets: {name: {field: value}}, `--preset NAME` sets those defaults under
+    the explicit flags. `--` (torchrun's separator) is skipped; --help lists every default with
+    its field's comment. An unknown flag stops it with one line naming the closest one."""
     argv = [a for a in argv if a != "--"]
     values = {}
     if presets:  # a first pass reads --preset alone, so its values become the defaults --help shows
@@ -92,8 +84,7 @@ def refuse(name, value, allowed):
 
 def _allows(value, rule):
     """rule: '>= x', '> x', or an interval '[a, b)' (round brackets: open ends)."""
-    if not (isinstance(value, (int, float)) and not isinstance(value, bool)
-            and math.isfinite(value)):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         return False
     if rule.startswith(">"):
         low = float(rule.lstrip(">="))
@@ -134,9 +125,8 @@ def world():
 
 
 def input_file(cfg, name, optional=False, skip=(), hint=""):
-    """The named field is a file that exists ('' allowed when optional; paths in skip allowed:
-    files the stage writes itself, as the toy task's). hint is said when the path is the flag's
-    default: the user gave no such flag and may not know the default."""
+    """The named field is a file that exists ('' allowed when optional; skip: files the stage writes
+    itself). hint is said when the path is the flag's default, which the user may not know."""
     path = getattr(cfg, name)
     if (optional and path == "") or path in skip:
         return
@@ -152,8 +142,8 @@ def looks_local(path):
 
 
 def model_dir(cfg, name="model", skip=("toy",)):
-    """The named field is a model directory (config.json and safetensors weights; a run's out_dir
-    is named with the checkpoint inside it), or a hub id (downloaded later)."""
+    """The named field is a model directory (config.json and safetensors weights; a run's out_dir:
+    the checkpoint inside it is named), or a hub id (downloaded later)."""
     path = getattr(cfg, name)
     if path in skip or not (os.path.isdir(path) or looks_local(path)):
         return
@@ -206,9 +196,7 @@ def rollout(cfg):
 def damaged_weights(path):
     """What is wrong with a Hugging Face directory's safetensors files ("FILE: what"), else None:
     each file must hold its header and every tensor the header lists (a truncated copy does not)."""
-    for name in sorted(os.listdir(path)):
-        if not name.endswith(".safetensors"):
-            continue
+    for name in sorted(n for n in os.listdir(path) if n.endswith(".safetensors")):
         file = os.path.join(path, name)
         size = os.path.getsize(file)
         try:
@@ -239,7 +227,7 @@ def check_record(record, where):
     messages = record.get("messages") if isinstance(record, dict) else None
     if not isinstance(messages, list) or not messages:
         raise DataError(f"{where}: messages: expected a non-empty list, got {str(record)[:80]}")
-    messages, tools = record["messages"], record.get("tools")
+    tools = record.get("tools")
     if isinstance(tools, str):  # parquet exports often keep the tool list as JSON text
         try:
             tools = json.loads(tools)
@@ -271,12 +259,18 @@ def check_record(record, where):
     return messages, tools
 
 
-def check_data(path):
-    """Every record's JSON and fields, before anything is written (load_data renders them later,
-    with the tokenizer the toy preset must first build)."""
+def records(path):
+    """(messages, tools, "FILE:LINE") of each record of an SFT data file, checked (check_record)."""
     for lineno, line in enumerate(open(path, encoding="utf-8"), 1):
+        where = f"{path}:{lineno}"
         try:
             if line.strip():
-                check_record(json.loads(line), f"{path}:{lineno}")
+                yield *check_record(json.loads(line), where), where
         except json.JSONDecodeError as e:
-            raise DataError(f"{path}:{lineno}: not valid JSON ({e})") from None
+            raise DataError(f"{where}: not valid JSON ({e})") from None
+
+
+def check_data(path):
+    """Every record's JSON and fields, before anything is written (sft.load_data renders them)."""
+    for _ in records(path):
+        pass
