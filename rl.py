@@ -1,13 +1,10 @@
 """rl.py: GRPO-TCR, the paper's agentic RL stage, in one file.
 
 Each step: 64 problems x 16 agentic trajectories with the current policy (rollout.py), graded by
-evaluate.py, rewarded (+1 / -1, the fraction of tests for code, the capped tool bonus for wrong
-answers, DAPO's overlong penalty), normalised within each problem's group (GRPO), old log-probs
-from the training forward, then PPO updates on mini-batches of 16 problems with the loss below:
-clip-higher, dual clip, the token mean over the mini-batch's sampled tokens (forced tool-reply
-tokens never count). The sampler runs the trained module itself (no inference-engine copy; under
-FSDP2 each rank gathers the full weights once per rollout). Writes out_dir/metrics.jsonl (and
-wandb), out_dir/trajectories, and checkpoints (HF dirs plus exact resume state) out_dir/step_NNNNNN.
+evaluate.py, rewarded (shape_reward), normalised per group (GRPO), old log-probs from the training
+forward, then PPO updates on mini-batches of 16 problems with the GRPO-TCR loss (grpo_tcr_loss).
+The sampler runs the trained module itself (docs/DESIGN.md). Writes out_dir/metrics.jsonl (and
+wandb), trajectories/, eval/ and checkpoints (HF dirs plus exact resume state) step_NNNNNN/.
 
     python rl.py                                     # the toy preset: the CPU demo
     python rl.py --model DIR --data problems.jsonl --steps 10
@@ -21,9 +18,8 @@ Departures from the paper's run (verl + SGLang):
 - a bad tool call (bad JSON, unknown tool, no code) is answered with an error text; verl drops it;
 - tool runs 10 s / 1024 MB and tests 6 s (the recipe: 30 s / 2048 MB and 30 s);
 - clip_high 0.315 as the paper's text; the released script has 0.28;
-- the tool-call term of the reward (paper Eq. 8) is applied; upstream's released runs never did (no
-  num_turns reached the reward: every wrong answer got a flat -1.1, Open-AgentRL issue 13);
-  --tool_bonus=false comes closest (-1: the same advantages for +-1);
+- the reward's tool-call term (paper Eq. 8) is applied; upstream's runs never did (no num_turns: a
+  flat -1.1 for every wrong answer, Open-AgentRL issue 13); --tool_bonus=false is closest (-1);
 - dynamic sampling (off by default) drops all-equal groups without re-sampling to refill.
 """
 
@@ -179,8 +175,7 @@ def check(cfg):  # every flag before anything is loaded or written: one line on 
 
 # ---------------------------------------------------------------- advantages, rewards, the loss
 def group_advantages(rewards, group_size, eps=1e-6):
-    """GRPO: (r - group mean) / (group std + eps), std unbiased, over each group_size consecutive
-    rewards. [G * n] -> [G * n] float32; exactly 0 where a group's rewards are equal."""
+    """GRPO per group_size rewards: (r - mean) / (unbiased std + eps); exactly 0 where all equal."""
     r = torch.as_tensor(rewards, dtype=torch.float64).view(-1, group_size)    # [G, n]
     if group_size == 1:
         return torch.zeros(r.numel())
@@ -191,8 +186,7 @@ def group_advantages(rewards, group_size, eps=1e-6):
 
 
 def overlong_penalty(length, max_len=20480, buffer=4096, factor=1.0):
-    """DAPO: 0 up to max_len - buffer response tokens (tool replies included), then linearly down
-    to -factor at max_len."""
+    """DAPO: 0 up to max_len - buffer response tokens, then linearly down to -factor at max_len."""
     if buffer <= 0:
         return 0.0
     over = length - (max_len - buffer)
@@ -242,10 +236,9 @@ def aggregate(per_token, mask, agg, num_tokens, seq_ids=None, num_seqs=None):
 def grpo_tcr_loss(logprobs, old_logprobs, advantages, mask, clip_low=0.2, clip_high=0.315,
                   clip_c=10.0, num_tokens=None, *, agg="token-mean", seq_ids=None, num_seqs=None,
                   is_weights=None, entropy=None):
-    """The GRPO-TCR policy loss. logprobs, old_logprobs, mask [B, T] (packed: [1, N]); advantages
-    broadcast to them; num_tokens: the whole mini-batch's mask count (None: this mask's);
-    is_weights: truncated-IS weights; entropy: for the stats. Returns (loss, stats); stats are
-    shares of num_tokens, so they add up over micro-batches."""
+    """logprobs, old_logprobs, mask [B, T] (packed: [1, N]); advantages broadcast to them;
+    num_tokens: the whole mini-batch's mask count (None: this mask's); is_weights: truncated IS.
+    Returns (loss, stats); stats are shares of num_tokens, so they add up over micro-batches."""
     mask = mask.to(logprobs.dtype)
     num_tokens = max(float(mask.sum() if num_tokens is None else num_tokens), 1.0)
     A = advantages
@@ -282,8 +275,7 @@ def load_problems(path):
 
 
 def drop_overlong(problems, tokenizer, rcfg, path):
-    """The recipe's filter_overlong_prompts: prompts over max_prompt_tokens (template and tool
-    schema included) are dropped and counted at load time, not failing mid-run."""
+    """The recipe's filter_overlong_prompts (template and tool schema included), at load time."""
     chat = rollout.chat_format(tokenizer, rcfg)  # the prompt exactly as the rollout renders it
     max_tokens = rcfg.max_prompt_tokens
     kept = [p for p in problems if len(chat.prompt_ids(p["prompt"], p.get("system"))) <= max_tokens]
@@ -296,8 +288,7 @@ def drop_overlong(problems, tokenizer, rcfg, path):
 
 
 def batch_indices(step, batch, num_problems, seed):
-    """The problems of `step`: seeded permutations, one per epoch, end to end. A pure function of
-    (seed, step), so a resumed run sees exactly the same batches."""
+    """Per-epoch seeded permutations end to end: a function of (seed, step), so resumes match."""
     out, pos = [], step * batch
     while len(out) < batch:
         epoch, offset = divmod(pos, num_problems)
@@ -460,9 +451,8 @@ def score_phase(run, batch, mine, trajs):
 
 
 def share_rewards(samples, cfg):
-    """Every rank's per-sample numbers, each group's rewards, the groups to train on (dynamic
-    sampling: only those whose rewards differ). The first collective after the rank-local rollout:
-    it waits for the slowest rank on the long-timeout group (a slow sandbox is no stuck node)."""
+    """Every rank's numbers, each group's rewards, the groups to train on (dynamic sampling: unequal
+    ones). The first collective after the rollout: it waits on the long-timeout group."""
     keys = ("problem", "reward", "score", "correct", "tool_calls", "tool_ok", "length", "finish")
     mine = [{k: s[k] for k in keys} for s in samples]
     everyone = [x for part in gather_objects(mine) for x in part]
@@ -474,10 +464,9 @@ def share_rewards(samples, cfg):
 
 
 def sampler_mismatch(samples, device):
-    """Sampler vs trainer old log-probs on the step's sampled tokens, all ranks: mean and max
-    |difference|, the share whose ratio leaves [0.9, 1.1]; and the mean entropy. The sampler's are
-    of the top-k / top-p cut it drew from, the trainer's of the full softmax: they agree up to
-    kernel rounding only at top_p 1, top_k 0 (setup warns otherwise); the loss uses the trainer's"""
+    """Sampler vs trainer log-probs on the step's sampled tokens, all ranks: mean and max |diff|,
+    the share whose ratio leaves [0.9, 1.1]; the mean entropy. They agree up to kernel rounding only
+    at top_p 1, top_k 0 (the sampler's are of the cut it drew from); the loss uses the trainer's."""
     ent = total = worst = outside = count = 0.0
     for s in samples:
         m, start = torch.tensor(s["mask"], dtype=torch.bool), s["prompt_len"] - 1
@@ -499,8 +488,8 @@ def update_phase(run, step, samples, kept):
         for first in range(0, cfg.prompts_per_step, cfg.mini_batch_prompts):
             part = [s for s in samples if first <= s["problem"] < first + cfg.mini_batch_prompts
                     and s["problem"] in kept]
-            counts = [sum(sum(s["mask"]) for s in part), len(part)]
-            num_tokens, num_seqs = all_reduce(counts, run.device)
+            num_tokens, num_seqs = all_reduce([sum(sum(s["mask"]) for s in part), len(part)],
+                                              run.device)
             if num_seqs == 0:
                 continue
             stats = update(run.model, run.opt, part, num_tokens, int(num_seqs), cfg, run.device,
@@ -568,8 +557,7 @@ def full_weights(model):
         model.set_reshard_after_forward(False)  # every unit
     for u in units:
         u.unshard()
-    # no FSDP hooks on the blocks: they have nothing to do, and outside the root's forward they
-    # would run the root's set-up on every call
+    # no FSDP hooks on the blocks: nothing to do, and outside the root they'd rerun its set-up
     model.bare_blocks = bool(units)
     try:
         yield model
@@ -596,9 +584,8 @@ def phase(name, times, memory, device):
 
 
 def make_engine(model, cfg, device, world, evaluating):
-    """The process's one Engine for every rollout and evaluation, and on CUDA what sized it
-    ({phase or "kv_pool": GiB}): a step's or an eval batch's sequences at full length, capped on
-    CUDA by what the largest measured phase peak leaves (machinery/memory_plan.py). Built before a
+    """The one Engine for every rollout and eval, and on CUDA what sized it ({phase: GiB}): capped
+    by what the largest measured phase peak leaves (machinery/memory_plan.py). Built before a
     resume loads AdamW's moments: the measured step allocates its own."""
     seqs = -(-cfg.prompts_per_step // world) * cfg.samples_per_prompt
     if evaluating:
@@ -659,8 +646,7 @@ def grade(problems, trajs, cfg):
         score = evaluate.score(p, t.text, code_timeout=cfg.code_test_timeout)
         correct_r = correctness_reward(p["kind"], score, p["kind"] != "code" or has_program(t.text))
         reward = shape_reward(correct_r, tool_turns(t.tool_calls), len(t.response_ids), cfg)
-        return dict(
-            problem=t.problem_index, sample=t.sample_index,
+        return dict(problem=t.problem_index, sample=t.sample_index,
             ids=list(t.prompt_ids) + list(t.response_ids), prompt_len=len(t.prompt_ids),
             mask=list(t.loss_mask), sampler_logprobs=list(t.logprobs),
             score=score, correct=score >= 1.0, reward=reward,
@@ -733,8 +719,7 @@ def update(model, opt, samples, num_tokens, num_seqs, cfg, device, world):
     opt.zero_grad(set_to_none=True)
     clip_high = cfg.clip_high if cfg.clip_higher else cfg.clip_low
     totals, want_entropy = {}, cfg.entropy_coef > 0
-    # FSDP2 reduce-scatters each micro-batch's gradient (as verl): one kept unsharded in between
-    # would hold the whole model's in fp32 on every rank
+    # FSDP2 reduce-scatters each micro-batch's gradient (as verl): unsharded it'd be fp32, whole
     for batch in pack(samples, cfg.micro_batch_tokens, device):
         mb = micro_tensors(batch, device)
         out = model.token_logprobs(mb["input_ids"], mb["targets"], cu_seqlens=mb["cu_seqlens"],
@@ -776,11 +761,10 @@ def run_eval(run, step):
     with full_weights(run.model):
         _, summary = evaluate.evaluate(run.model, run.tokenizer, run.eval_problems, ecfg,
                                        out_dir=out, progress=False, engine=run.engine)
+    keys = ("tool_calls_per_response", "tool_call_success", "response_tokens")
     tools = summary["overall"].get("tools", {})
     result = {"step": step, "accuracy": summary["overall"].get("headline"),
-              "tool_calls_per_response": tools.get("tool_calls_per_response"),
-              "tool_call_success": tools.get("tool_call_success"),
-              "response_tokens": tools.get("response_tokens")}
+              **{k: tools.get(k) for k in keys}}
     if run.rank == 0:
         with open(os.path.join(out, "result.json"), "w") as f:
             json.dump(dict(result, summary=summary), f, indent=2)
@@ -788,8 +772,7 @@ def run_eval(run, step):
 
 
 def keep_trajectories(cfg, step, batch_ids, batch, samples, tokenizer):
-    """The step's first save_trajectories groups into out_dir/trajectories (by rank 0):
-    evaluate.py's records plus reward, advantage and the trainer's log-probs (scripts/view.py)."""
+    """The step's first save_trajectories groups, with reward, advantage, trainer log-probs."""
     def digits4(values):   # 4 significant digits
         return [float(f"{x:.4g}") for x in values]
 
