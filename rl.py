@@ -206,10 +206,10 @@ def tool_turns(calls):
 
 
 def shape_reward(correctness, turns, length, cfg):
-    """Paper Eq. 8 (upstream recipe/demystify/reward.py compute_score), then DAPO's overlong:
-    if score < 0: score = min(-0.6, score + (num_turns - 2) / 2 * 0.1). Negative correctness only
-    (partial code credit is not wrong); verl's num_turns counts the messages, so (num_turns - 2) / 2
-    is tool_turns: trying the tool pays, never as much as a right answer."""
+    """Paper Eq. 8 (upstream recipe/demystify/reward.py), then DAPO's overlong penalty:
+        if score < 0: score = min(-0.6, score + (num_turns - 2) / 2 * 0.1)
+    verl's num_turns counts messages, so (num_turns - 2) / 2 is tool_turns. Partial code credit is
+    not wrong; trying the tool pays, never as much as a right answer."""
     r = correctness
     if cfg.tool_bonus and r < 0:
         r = min(cfg.tool_bonus_cap, r + cfg.tool_bonus_per_turn * turns)
@@ -712,9 +712,8 @@ def score_tokens(model, samples, key, cfg, device, entropy=False):
 
 
 def update(model, opt, samples, num_tokens, num_seqs, cfg, device, world):
-    """This rank's share of a mini-batch's gradient; returns summed stats. Each micro-batch's loss
-    is its terms' sum / num_tokens (all ranks' count); backward adds micro-batches, FSDP2 averages
-    ranks, so loss x world gives the exact mini-batch token mean however it is split."""
+    """This rank's share of a mini-batch's gradient (summed stats): each micro-batch's loss is its
+    sum / num_tokens (all ranks'), so with FSDP2's mean, loss x world gives the exact token mean."""
     model.train()
     opt.zero_grad(set_to_none=True)
     clip_high = cfg.clip_high if cfg.clip_higher else cfg.clip_low

@@ -1,12 +1,10 @@
-"""machinery/memory_plan.py: what one RL step holds on a GPU, phase by phase, and the KV pool that
-fits beside it. rl.make_engine measures it on CUDA to size its pool; scripts/plan.py runs the same
-phases on fake tensors for N simulated ranks (no GPU). Both call `run_phases`, which runs rl.py's
-own functions (passed in: this file imports no stage) on dummy tokens, so the plan cannot drift:
-generate (rl.full_weights, a prefill, the sampler), old_logprob (rl.score_tokens), update (rl.update
-on two micro-batches: a gradient held between them shows in the second), optimizer (AdamW's step).
-A sequence longer than a micro-batch goes alone (rl.pack), so none is planned shorter than full
-length. Resident throughout: AdamW's fp32 moments, with flash-attn the decode graphs' outputs, and
-the KV pool: its budget is the device's usable memory less OUTSIDE less the largest phase's peak.
+"""machinery/memory_plan.py: one RL step's memory on a GPU, phase by phase, and the KV pool beside
+it (docs/DESIGN.md). rl.make_engine measures it on CUDA; scripts/plan.py runs it on fake tensors.
+`run_phases` runs rl.py's own functions (passed in: no stage imported) on dummy tokens, so the plan
+cannot drift: generate, old_logprob, update (two micro-batches: a gradient held between them shows
+in the second), optimizer. A sequence longer than a micro-batch goes alone (rl.pack), so none is
+planned shorter than full length. Resident throughout: AdamW's fp32 moments, with flash-attn the
+decode graphs' outputs, and the KV pool (usable memory less OUTSIDE less the largest phase peak).
 """
 
 from types import SimpleNamespace
@@ -32,7 +30,7 @@ def dummy_sample(tokens, device):
 
 def run_phases(model, opt, cfg, device, world, mark, rl, flash):
     """One RL step's phases on dummy tokens, mark(name) before each, mark(None) after the last; a
-    collective, as the step is. rl: the rl module; opt: an AdamW that may step; flash: flash-attn."""
+    collective, as the step is. rl: the rl module; opt: an AdamW that may step; flash: flash-attn"""
     full = cfg.max_prompt_tokens + cfg.max_response_tokens
     with_moments(model, opt)
     graphs = torch.empty(2 * ROWS - 1, model.config.vocab_size, device=device) if flash else None

@@ -13,9 +13,8 @@ from machinery.distributed import all_reduce, print0
 
 
 class Metrics:
-    """metrics.jsonl on rank 0 (path None: no file). A resumed run first drops the lines past its
-    step, so no step appears twice. With config.wandb_project rank 0 also logs to wandb: the config,
-    every line's numbers ("time": {"rollout": s} as time/rollout), the summary."""
+    """metrics.jsonl on rank 0 (path None: none); a resume drops the lines past its step. With
+    config.wandb_project rank 0 also logs every line's numbers to wandb ("time/rollout")."""
 
     def __init__(self, path, config, step=0, out_dir=None):
         rank0 = not dist.is_initialized() or dist.get_rank() == 0
