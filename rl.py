@@ -1,15 +1,10 @@
 """rl.py: GRPO-TCR, the paper's agentic RL stage, in one file.
 
-Each step: 64 problems x 16 agentic trajectories with the current policy (rollout.py: reasoning,
-code-tool calls in the sandbox, replies fed back), graded by evaluate.py, rewarded (+1 / -1, the
-fraction of tests for code, the capped tool bonus for wrong answers, DAPO's overlong penalty),
-normalised within each problem's group (GRPO), old log-probs recomputed by the training forward,
-then PPO updates on mini-batches of 16 problems with the loss written out below: clip-higher,
-dual clip, the token mean over the mini-batch's sampled response tokens (loss mask 1; forced
-tool-reply tokens never count). The sampler runs the trained module itself (no copy into an
-inference engine; under FSDP2 each rank gathers the full weights once per rollout). Metrics to
-out_dir/metrics.jsonl (and wandb), kept trajectories to out_dir/trajectories, checkpoints (Hugging
-Face dirs plus exact resume state) to out_dir/step_NNNNNN.
+Each step: 64 problems x 16 agentic trajectories with the current policy (rollout.py), graded by
+evaluate.py, rewarded (shape_reward), normalised per group (GRPO), old log-probs from the training
+forward, then PPO updates on mini-batches of 16 problems with the GRPO-TCR loss (grpo_tcr_loss).
+The sampler runs the trained module itself (docs/DESIGN.md). Writes out_dir/metrics.jsonl (and
+wandb), trajectories/, eval/ and checkpoints (HF dirs plus exact resume state) step_NNNNNN/.
 
     python rl.py                                     # the toy preset: the CPU demo
     python rl.py --model DIR --data problems.jsonl --steps 10
@@ -23,9 +18,8 @@ Departures from the paper's run (verl + SGLang):
 - a bad tool call (bad JSON, unknown tool, no code) is answered with an error text; verl drops it;
 - tool runs 10 s / 1024 MB and tests 6 s (the recipe: 30 s / 2048 MB and 30 s);
 - clip_high 0.315 as the paper's text; the released script has 0.28;
-- the tool-call term of the reward (paper Eq. 8) is applied; upstream's released runs never did
-  (their reward manager passed no num_turns, so every wrong answer got a flat -1.1:
-  Open-AgentRL issue 13). --tool_bonus=false comes closest (-1: the same advantages for +-1);
+- the reward's tool-call term (paper Eq. 8) is applied; upstream's runs never did (no num_turns: a
+  flat -1.1 for every wrong answer, Open-AgentRL issue 13); --tool_bonus=false is closest (-1);
 - dynamic sampling (off by default) drops all-equal groups without re-sampling to refill.
 """
 
@@ -181,8 +175,7 @@ def check(cfg):  # every flag before anything is loaded or written: one line on 
 
 # ---------------------------------------------------------------- advantages, rewards, the loss
 def group_advantages(rewards, group_size, eps=1e-6):
-    """GRPO: (r - group mean) / (group std + eps), std unbiased, one group per consecutive
-    group_size rewards. [G * n] -> [G * n] float32; exactly 0 where a group's rewards are equal."""
+    """GRPO per group_size rewards: (r - mean) / (unbiased std + eps); exactly 0 where all equal."""
     r = torch.as_tensor(rewards, dtype=torch.float64).view(-1, group_size)    # [G, n]
     if group_size == 1:
         return torch.zeros(r.numel())
@@ -193,8 +186,7 @@ def group_advantages(rewards, group_size, eps=1e-6):
 
 
 def overlong_penalty(length, max_len=20480, buffer=4096, factor=1.0):
-    """DAPO: 0 up to max_len - buffer response tokens (tool replies included), then linearly down
-    to -factor at max_len."""
+    """DAPO: 0 up to max_len - buffer response tokens, then linearly down to -factor at max_len."""
     if buffer <= 0:
         return 0.0
     over = length - (max_len - buffer)
@@ -209,20 +201,15 @@ def correctness_reward(kind, score, has_program=True):
 
 
 def tool_turns(calls):
-    """The assistant turns that called a tool: turns with a call that was run (a malformed one,
-    status bad_call, does not count); several calls in one turn count once."""
+    """Assistant turns with a call that ran (a bad_call does not); a turn counts once."""
     return len({c["turn"] for c in calls if c["status"] != "bad_call"})
 
 
 def shape_reward(correctness, turns, length, cfg):
-    """The recipe's reward (paper Eq. 8, upstream's recipe/demystify/reward.py compute_score):
-
-        if score < 0:  score = min(-0.6, score + (num_turns - 2) / 2 * 0.1)
-
-    Wrong means negative correctness (a wrong math or choice answer, a code answer without a
-    program; partial code credit is not wrong). verl's num_turns counts the messages (the user's,
-    each assistant turn, each tool reply), so (num_turns - 2) / 2 is `tool_turns`: trying the tool
-    pays, never as much as a right answer. Then DAPO's overlong penalty, tool replies included."""
+    """Paper Eq. 8 (upstream recipe/demystify/reward.py), then DAPO's overlong penalty:
+        if score < 0: score = min(-0.6, score + (num_turns - 2) / 2 * 0.1)
+    verl's num_turns counts messages, so (num_turns - 2) / 2 is tool_turns. Partial code credit is
+    not wrong; trying the tool pays, never as much as a right answer."""
     r = correctness
     if cfg.tool_bonus and r < 0:
         r = min(cfg.tool_bonus_cap, r + cfg.tool_bonus_per_turn * turns)
@@ -233,18 +220,15 @@ def shape_reward(correctness, turns, length, cfg):
 
 
 def aggregate(per_token, mask, agg, num_tokens, seq_ids=None, num_seqs=None):
-    """token-mean: the sum over every masked token / num_tokens (the mini-batch's count over all
-    micro-batches and ranks, so the parts add up to the whole); seq-mean-token-mean: each
-    sequence's token mean (seq_ids [B, T], default the rows), summed, / num_seqs."""
+    """token-mean: the masked sum / num_tokens (the whole mini-batch's count: the parts add up);
+    seq-mean-token-mean: the sum of each sequence's token mean (seq_ids [B, T]; rows) / num_seqs."""
     if agg == "token-mean":
         return (per_token * mask).sum() / num_tokens
     if seq_ids is None:
         seq_ids = torch.arange(mask.shape[0], device=mask.device)[:, None].expand_as(mask)
     S, flat = int(seq_ids.max()) + 1, seq_ids.reshape(-1)
-    tok_sum = torch.zeros(S, dtype=per_token.dtype, device=mask.device)
-    tok_sum = tok_sum.index_add(0, flat, (per_token * mask).reshape(-1))               # [S]
-    tok_cnt = torch.zeros(S, dtype=mask.dtype, device=mask.device)
-    tok_cnt = tok_cnt.index_add(0, flat, mask.reshape(-1))                              # [S]
+    tok_sum = per_token.new_zeros(S).index_add(0, flat, (per_token * mask).reshape(-1))   # [S]
+    tok_cnt = mask.new_zeros(S).index_add(0, flat, mask.reshape(-1))                      # [S]
     num_seqs = int((tok_cnt > 0).sum()) if num_seqs is None else num_seqs
     return (tok_sum / tok_cnt.clamp(min=1)).sum() / max(num_seqs, 1)
 
@@ -252,9 +236,8 @@ def aggregate(per_token, mask, agg, num_tokens, seq_ids=None, num_seqs=None):
 def grpo_tcr_loss(logprobs, old_logprobs, advantages, mask, clip_low=0.2, clip_high=0.315,
                   clip_c=10.0, num_tokens=None, *, agg="token-mean", seq_ids=None, num_seqs=None,
                   is_weights=None, entropy=None):
-    """The GRPO-TCR policy loss. logprobs, old_logprobs, mask [B, T] (packed: [1, N]); advantages
-    broadcast to them. num_tokens: the mask count of the whole mini-batch (None: this mask's).
-    is_weights: per-token truncated-IS weights; entropy: per-token entropy, for the stats.
+    """logprobs, old_logprobs, mask [B, T] (packed: [1, N]); advantages broadcast to them;
+    num_tokens: the whole mini-batch's mask count (None: this mask's); is_weights: truncated IS.
     Returns (loss, stats); stats are shares of num_tokens, so they add up over micro-batches."""
     mask = mask.to(logprobs.dtype)
     num_tokens = max(float(mask.sum() if num_tokens is None else num_tokens), 1.0)
@@ -292,8 +275,7 @@ def load_problems(path):
 
 
 def drop_overlong(problems, tokenizer, rcfg, path):
-    """The recipe's filter_overlong_prompts: prompts over rcfg.max_prompt_tokens (chat template and
-    tool schema included) are dropped at load time, counted and reported, not failing mid-run."""
+    """The recipe's filter_overlong_prompts (template and tool schema included), at load time."""
     chat = rollout.chat_format(tokenizer, rcfg)  # the prompt exactly as the rollout renders it
     max_tokens = rcfg.max_prompt_tokens
     kept = [p for p in problems if len(chat.prompt_ids(p["prompt"], p.get("system"))) <= max_tokens]
@@ -306,8 +288,7 @@ def drop_overlong(problems, tokenizer, rcfg, path):
 
 
 def batch_indices(step, batch, num_problems, seed):
-    """The problems of `step`: seeded permutations, one per epoch, laid end to end. A pure
-    function of (seed, step), so a resumed run sees exactly the same batches."""
+    """Per-epoch seeded permutations end to end: a function of (seed, step), so resumes match."""
     out, pos = [], step * batch
     while len(out) < batch:
         epoch, offset = divmod(pos, num_problems)
@@ -396,8 +377,7 @@ def _train(cfg, rank, world, device, sharded):
 
 
 def setup(cfg, rank, world, device, sharded):
-    """Problems, tokenizer, model, optimizer (resumed if out_dir holds a checkpoint), the one
-    Engine, the metrics file, and the held-out evaluation before training."""
+    """Everything the loop needs (resumed if out_dir holds a checkpoint); the evaluation before."""
     from transformers import AutoTokenizer
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
@@ -451,9 +431,8 @@ def setup(cfg, rank, world, device, sharded):
 
 
 def rollout_phase(run, step, batch, mine):
-    """This rank's problems, samples_per_prompt trajectories each, with the current weights. A
-    problem's sampler seed is fixed by (run seed, step, place in the batch): a resumed step samples
-    what the interrupted one would have, and 1 or N ranks sample alike."""
+    """This rank's problems' trajectories. A problem's seed is (run seed, step, place in the batch):
+    a resumed step samples what the interrupted one would have, and 1 or N ranks sample alike."""
     run.sandbox.seconds = 0.0
     run.model.eval()
     seeds = [zlib.crc32(f"rl:{run.cfg.seed}:{step}:{i}".encode()) % 2**31 for i in mine]
@@ -463,8 +442,7 @@ def rollout_phase(run, step, batch, mine):
 
 
 def score_phase(run, batch, mine, trajs):
-    """Grade and reward every trajectory; the samples sorted by (problem, sample), each problem
-    numbered by its place in the global batch."""
+    """Graded, rewarded samples by (problem, sample), problems numbered by place in the batch."""
     samples = grade([batch[i] for i in mine], trajs, run.cfg)
     for s in samples:
         s["problem"] = mine[s["problem"]]
@@ -473,11 +451,9 @@ def score_phase(run, batch, mine, trajs):
 
 
 def share_rewards(samples, cfg):
-    """Every rank's per-sample numbers (for the metrics), each group's rewards, and the groups to
-    train on: with dynamic sampling only those whose rewards differ (the others carry no signal)."""
+    """Every rank's numbers, each group's rewards, the groups to train on (dynamic sampling: unequal
+    ones). The first collective after the rollout: it waits on the long-timeout group."""
     keys = ("problem", "reward", "score", "correct", "tool_calls", "tool_ok", "length", "finish")
-    # the first collective after the rank-local rollout and grading: it waits for the slowest
-    # rank on the long-timeout group (a slow sandbox or long trajectories are no stuck node)
     mine = [{k: s[k] for k in keys} for s in samples]
     everyone = [x for part in gather_objects(mine) for x in part]
     groups = {}
@@ -488,12 +464,9 @@ def share_rewards(samples, cfg):
 
 
 def sampler_mismatch(samples, device):
-    """The sampler's log-probs against the trainer's old ones on this step's sampled tokens, over
-    every rank: mean and largest |difference|, the share of tokens whose ratio leaves [0.9, 1.1];
-    and the mean entropy. The sampler's are under the distribution it drew from (cut to top-k /
-    top-p: rollout.sample), the trainer's under the full softmax, both at the temperature: they
-    agree, up to the attention kernels' rounding, only at top_p 1 and top_k 0 (the defaults; setup
-    warns otherwise). The loss's ratio uses the trainer's."""
+    """Sampler vs trainer log-probs on the step's sampled tokens, all ranks: mean and max |diff|,
+    the share whose ratio leaves [0.9, 1.1]; the mean entropy. They agree up to kernel rounding only
+    at top_p 1, top_k 0 (the sampler's are of the cut it drew from); the loss uses the trainer's."""
     ent = total = worst = outside = count = 0.0
     for s in samples:
         m, start = torch.tensor(s["mask"], dtype=torch.bool), s["prompt_len"] - 1
@@ -509,14 +482,14 @@ def sampler_mismatch(samples, device):
 
 
 def update_phase(run, step, samples, kept):
-    """PPO updates: one optimizer step per mini-batch of mini_batch_prompts problems."""
+    """PPO: one optimizer step per mini-batch of mini_batch_prompts problems."""
     cfg, updates = run.cfg, []
     for _ in range(cfg.ppo_epochs):
         for first in range(0, cfg.prompts_per_step, cfg.mini_batch_prompts):
             part = [s for s in samples if first <= s["problem"] < first + cfg.mini_batch_prompts
                     and s["problem"] in kept]
-            counts = [sum(sum(s["mask"]) for s in part), len(part)]
-            num_tokens, num_seqs = all_reduce(counts, run.device)
+            num_tokens, num_seqs = all_reduce([sum(sum(s["mask"]) for s in part), len(part)],
+                                              run.device)
             if num_seqs == 0:
                 continue
             stats = update(run.model, run.opt, part, num_tokens, int(num_seqs), cfg, run.device,
@@ -576,18 +549,15 @@ def finish(run):
 # ---------------------------------------------------------------- rollout and grading
 @contextmanager
 def full_weights(model):
-    """Generation needs every weight on every rank: under FSDP2 all-gather each unit once for the
-    whole rollout (not once per token), then free it; a plain module is already whole. Afterwards
-    the blocks reshard after each forward again, the root does not (FSDP's own choice: its
-    embeddings and head would be gathered again at once for the backward)."""
+    """Under FSDP2 all-gather each unit once for the whole rollout (not once per token), then free
+    it. Afterwards the blocks reshard after forward again, the root not (FSDP's own default)."""
     from torch.distributed.fsdp import FSDPModule
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
     if units:
         model.set_reshard_after_forward(False)  # every unit
     for u in units:
         u.unshard()
-    # the blocks run without FSDP's hooks: with every weight gathered they have nothing to do, and
-    # a block called outside the root's forward would run the root's set-up on every call
+    # no FSDP hooks on the blocks: nothing to do, and outside the root they'd rerun its set-up
     model.bare_blocks = bool(units)
     try:
         yield model
@@ -602,8 +572,7 @@ def full_weights(model):
 
 @contextmanager
 def phase(name, times, memory, device):
-    """times[name]: the seconds of the block; on CUDA memory[name]: its peak allocation in GiB
-    (and memory[name + '_reserved']: the allocator's peak reserve)."""
+    """times[name]: the block's seconds; on CUDA memory[name] (and name_reserved): its peak GiB."""
     t0 = time.time()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -615,11 +584,9 @@ def phase(name, times, memory, device):
 
 
 def make_engine(model, cfg, device, world, evaluating):
-    """The process's one Engine (KV pool and CUDA graphs) for every rollout and evaluation, and on
-    CUDA what sized it ({phase or "kv_pool": GiB}). Its pool holds the larger of a step's and an
-    evaluation batch's sequences at full length; on CUDA no more than the device has left at the
-    largest peak of a step's phases, measured by running them (machinery/memory_plan.py). Built
-    before a resume loads AdamW's moments: the measured step allocates its own."""
+    """The one Engine for every rollout and eval, and on CUDA what sized it ({phase: GiB}): capped
+    by what the largest measured phase peak leaves (machinery/memory_plan.py). Built before a
+    resume loads AdamW's moments: the measured step allocates its own."""
     seqs = -(-cfg.prompts_per_step // world) * cfg.samples_per_prompt
     if evaluating:
         seqs = max(seqs, evaluate.batch_problems(cfg.eval_n, 0) * cfg.eval_n)
@@ -642,8 +609,7 @@ def make_engine(model, cfg, device, world, evaluating):
 
 
 class TimedSandbox:
-    """sandbox.submit with the seconds of its runs added up, for the step's time breakdown (the
-    rollout takes the sandbox's other functions from sandbox.py itself)."""
+    """sandbox.submit, its runs' seconds added up for the step's time breakdown."""
 
     def __init__(self):
         self.seconds, self.lock = 0.0, threading.Lock()
@@ -674,15 +640,13 @@ def has_program(text):
 
 
 def grade(problems, trajs, cfg):
-    """Score every trajectory (code answers run their tests in the sandbox, concurrently) and
-    make it a training sample: token ids, masks, reward."""
+    """Every trajectory scored (concurrently: code runs its tests) into a training sample."""
     def one(t):
         p = problems[t.problem_index]
         score = evaluate.score(p, t.text, code_timeout=cfg.code_test_timeout)
         correct_r = correctness_reward(p["kind"], score, p["kind"] != "code" or has_program(t.text))
         reward = shape_reward(correct_r, tool_turns(t.tool_calls), len(t.response_ids), cfg)
-        return dict(
-            problem=t.problem_index, sample=t.sample_index,
+        return dict(problem=t.problem_index, sample=t.sample_index,
             ids=list(t.prompt_ids) + list(t.response_ids), prompt_len=len(t.prompt_ids),
             mask=list(t.loss_mask), sampler_logprobs=list(t.logprobs),
             score=score, correct=score >= 1.0, reward=reward,
@@ -695,9 +659,8 @@ def grade(problems, trajs, cfg):
 
 # ---------------------------------------------------------------- training forward: packed
 def pack(samples, budget, device):
-    """Greedy packing in order: lists of samples within `budget` tokens (a longer one goes alone),
-    padded to the most over ranks with loss-free two-token samples: every FSDP forward and
-    backward is a collective that needs every rank."""
+    """Greedy packing in order within `budget` tokens (a longer one alone), padded to the most over
+    ranks with loss-free samples: every FSDP forward and backward needs every rank."""
     batches, size = [[]], 0
     for s in samples:
         if batches[-1] and size + len(s["ids"]) - 1 > budget:
@@ -714,10 +677,8 @@ def pack(samples, budget, device):
 
 
 def micro_tensors(batch, device):
-    """One packed sequence [1, N]: inputs, targets, cu_seqlens, the loss mask (sampled response
-    tokens), per-token advantages and sampler log-probs, and each token's sample index.
-    The shift: position t predicts token t + 1, so a sample's response mask (one entry per
-    response token) starts at position prompt_len - 1 (rollout.py: a trajectory's ids and mask)."""
+    """One packed sequence [1, N] and its per-token columns. Position t predicts token t + 1, so a
+    sample's response mask starts at prompt_len - 1 (rollout.py: a trajectory's ids and mask)."""
     cols = {k: [] for k in ("input_ids", "targets", "mask", "adv", "sampler_logprobs", "seq_ids")}
     lengths = []
     for k, s in enumerate(batch):
@@ -737,8 +698,7 @@ def micro_tensors(batch, device):
 
 @torch.no_grad()
 def score_tokens(model, samples, key, cfg, device, entropy=False):
-    """Per-token log-probs of model on each sample's targets -> sample[key] (and with entropy,
-    sample['entropy'])."""
+    """Per-token log-probs of each sample's targets -> sample[key] (and sample['entropy'])."""
     model.eval()
     for batch in pack(samples, cfg.logprob_micro_batch_tokens, device):
         mb = micro_tensors(batch, device)
@@ -752,18 +712,13 @@ def score_tokens(model, samples, key, cfg, device, entropy=False):
 
 
 def update(model, opt, samples, num_tokens, num_seqs, cfg, device, world):
-    """One optimizer step's gradient on this rank's share of a mini-batch; returns summed stats.
-    The exact token mean over the mini-batch, however micro-batches and ranks split it: each
-    micro-batch's loss is sum(its tokens' terms) / num_tokens (the mini-batch's mask-1 count over
-    all ranks); backward() adds the micro-batches' gradients on a rank; FSDP2's reduce-scatter
-    averages them over the ranks (distributed.build_model), so backpropagating loss x world gives
-    the sum over ranks and micro-batches: the mini-batch's token mean."""
+    """This rank's share of a mini-batch's gradient (summed stats): each micro-batch's loss is its
+    sum / num_tokens (all ranks'), so with FSDP2's mean, loss x world gives the exact token mean."""
     model.train()
     opt.zero_grad(set_to_none=True)
     clip_high = cfg.clip_high if cfg.clip_higher else cfg.clip_low
     totals, want_entropy = {}, cfg.entropy_coef > 0
-    # FSDP2 reduce-scatters every micro-batch's gradient (as verl): a gradient kept unsharded
-    # between micro-batches (no sync) would hold the whole model's in fp32 on every rank
+    # FSDP2 reduce-scatters each micro-batch's gradient (as verl): unsharded it'd be fp32, whole
     for batch in pack(samples, cfg.micro_batch_tokens, device):
         mb = micro_tensors(batch, device)
         out = model.token_logprobs(mb["input_ids"], mb["targets"], cu_seqlens=mb["cu_seqlens"],
@@ -795,8 +750,7 @@ def update(model, opt, samples, num_tokens, num_seqs, cfg, device, world):
 
 # ---------------------------------------------------------------- evaluation and metrics
 def run_eval(run, step):
-    """Held-out accuracy with evaluate.py's protocol (temperature 1.0, top-p 0.6, eval_n
-    samples), written to out_dir/eval/step_NNNNNN."""
+    """Held-out accuracy by evaluate.py's protocol, written to out_dir/eval/step_NNNNNN."""
     cfg = run.cfg
     ecfg = evaluate.EvalConfig(n=cfg.eval_n, temperature=cfg.eval_temperature,
                                top_p=cfg.eval_top_p, code_test_timeout=cfg.code_test_timeout,
@@ -806,11 +760,10 @@ def run_eval(run, step):
     with full_weights(run.model):
         _, summary = evaluate.evaluate(run.model, run.tokenizer, run.eval_problems, ecfg,
                                        out_dir=out, progress=False, engine=run.engine)
+    keys = ("tool_calls_per_response", "tool_call_success", "response_tokens")
     tools = summary["overall"].get("tools", {})
     result = {"step": step, "accuracy": summary["overall"].get("headline"),
-              "tool_calls_per_response": tools.get("tool_calls_per_response"),
-              "tool_call_success": tools.get("tool_call_success"),
-              "response_tokens": tools.get("response_tokens")}
+              **{k: tools.get(k) for k in keys}}
     if run.rank == 0:
         with open(os.path.join(out, "result.json"), "w") as f:
             json.dump(dict(result, summary=summary), f, indent=2)
@@ -818,9 +771,7 @@ def run_eval(run, step):
 
 
 def keep_trajectories(cfg, step, batch_ids, batch, samples, tokenizer):
-    """The step's first cfg.save_trajectories groups, whole, into out_dir/trajectories (rank 0
-    writes what every rank sends): evaluate.py's trajectory records plus the step, reward,
-    advantage and the trainer's log-probs of the response tokens (scripts/view.py shows them)."""
+    """The step's first save_trajectories groups, with reward, advantage, trainer log-probs."""
     def digits4(values):   # 4 significant digits
         return [float(f"{x:.4g}") for x in values]
 

@@ -1,20 +1,10 @@
-"""machinery/memory_plan.py: what one RL step holds on a GPU, phase by phase, and the KV pool that
-fits beside it.
-
-rl.make_engine measures it on CUDA at start-up and sizes its KV pool from it; scripts/plan.py runs
-the same phases on fake tensors for N simulated ranks (no GPU). Both call `run_phases`, which runs
-rl.py's own functions (passed in: this file imports no stage) on dummy tokens, so the plan cannot
-drift from the code it plans:
-- generate: every weight gathered (rl.full_weights), a prefill and the sampler (`generation`).
-- old_logprob: one no-grad pass of logprob_micro_batch_tokens (rl.score_tokens).
-- update: rl.update on two micro-batches of micro_batch_tokens (a gradient held between
-  micro-batches shows in the second).
-- optimizer: AdamW's step.
-A sequence longer than a micro-batch goes alone in one (rl.pack), so no micro-batch is planned
-shorter than a full-length one. Resident in every phase from the run's first step on: AdamW's two
-fp32 moments (a step on zero gradients allocates them), with flash-attn the decode graphs'
-outputs, and the KV pool (one Engine per process): its budget is the device's usable memory less
-what torch does not hold (OUTSIDE) less the largest phase's peak.
+"""machinery/memory_plan.py: one RL step's memory on a GPU, phase by phase, and the KV pool beside
+it (docs/DESIGN.md). rl.make_engine measures it on CUDA; scripts/plan.py runs it on fake tensors.
+`run_phases` runs rl.py's own functions (passed in: no stage imported) on dummy tokens, so the plan
+cannot drift: generate, old_logprob, update (two micro-batches: a gradient held between them shows
+in the second), optimizer. A sequence longer than a micro-batch goes alone (rl.pack), so none is
+planned shorter than full length. Resident throughout: AdamW's fp32 moments, with flash-attn the
+decode graphs' outputs, and the KV pool (usable memory less OUTSIDE less the largest phase peak).
 """
 
 from types import SimpleNamespace
@@ -22,9 +12,8 @@ from types import SimpleNamespace
 import torch
 
 ROWS = 256  # rollout.Engine's max_num_seqs: the most rows one decode step samples
-# Held outside torch's allocator (rl.py's budget finds it, rollout.kv_budget; the plan estimates
-# it): the CUDA context with the kernels a run loads (0.5-1 GiB), NCCL's buffers (~1 GiB with
-# NVLink SHARP on 8 H100s).
+# outside torch's allocator (rollout.kv_budget measures it, the plan estimates it): the CUDA
+# context with a run's kernels (0.5-1 GiB), NCCL's buffers (~1 GiB with NVLink SHARP on 8 H100s)
 OUTSIDE = dict(cuda_context=1 << 30, nccl=1 << 30)
 
 
@@ -40,10 +29,8 @@ def dummy_sample(tokens, device):
 
 
 def run_phases(model, opt, cfg, device, world, mark, rl, flash):
-    """One RL step's phases on dummy tokens, mark(name) before each and mark(None) after the last;
-    a collective on every rank, as the step is. rl: the rl module (its full_weights, score_tokens,
-    update, rollout). opt: an AdamW that may step (rl.py's throwaway has lr 0). flash: the rollout
-    runs flash-attn (CUDA graphs) or SDPA."""
+    """One RL step's phases on dummy tokens, mark(name) before each, mark(None) after the last; a
+    collective, as the step is. rl: the rl module; opt: an AdamW that may step; flash: flash-attn"""
     full = cfg.max_prompt_tokens + cfg.max_response_tokens
     with_moments(model, opt)
     graphs = torch.empty(2 * ROWS - 1, model.config.vocab_size, device=device) if flash else None
@@ -70,12 +57,11 @@ def run_phases(model, opt, cfg, device, world, mark, rl, flash):
 
 @torch.no_grad()
 def generation(model, cfg, device, flash, sample):
-    """What a rollout adds to the gathered weights, its KV pool aside: the prefill of a full-length
-    sequence (a preempted one is computed again whole), then rollout.sample over ROWS rows, sorted
-    as evaluation's top-p sorts them. Without flash-attn the prefill behind a cached prompt also
-    holds one layer's K/V in the cache's scratch, a [q, k] mask and K/V expanded to the query heads
-    (rollout.PagedKVCache, model.sdpa). With flash-attn run_phases holds the decode graphs'
-    outputs: fp32 logits [b, V] for each bucket b up to ROWS (fast_sampling.FlashKVCache)."""
+    """What a rollout adds beside its KV pool: a full-length prefill (a preempted sequence is
+    computed again whole), then rollout.sample over ROWS rows sorted as eval's top-p. Without
+    flash-attn the prefill also holds one layer's K/V scratch, a [q, k] mask and K/V expanded to the
+    query heads (rollout.PagedKVCache, model.sdpa); with it run_phases holds the decode graphs' fp32
+    logits [b, V] for each bucket b up to ROWS (fast_sampling.FlashKVCache)."""
     c, full = model.config, cfg.max_prompt_tokens + cfg.max_response_tokens
     kw = dict(dtype=model.lm_head.weight.dtype, device=device)
     scratch = [] if flash else [
@@ -102,9 +88,8 @@ def with_moments(model, opt):
 
 
 def probe_optimizer(model, cfg, foreach=None):
-    """An AdamW like the run's with lr 0 (so no decay): its step allocates what the run's does and
-    moves no weight. foreach=None: torch's choice (on CUDA the multi-tensor step, whose temporaries
-    are a whole shard; the plan asks for it on its CPU tensors)."""
+    """An AdamW like the run's with lr 0: its step allocates what the run's does, moves no weight.
+    foreach=None: torch's choice (CUDA: the multi-tensor step, whose temporaries are a shard)."""
     return torch.optim.AdamW(model.parameters(), lr=0.0, betas=(cfg.beta1, cfg.beta2),
                              weight_decay=cfg.weight_decay, foreach=foreach)
 
@@ -127,9 +112,8 @@ def cuda_peaks(model, cfg, device, world, rl, flash):
 
 
 def kv_pool_tokens(config, budget, dtype, flash, block_size=None):
-    """Token positions a KV pool of `budget` bytes holds, in whole blocks (256 tokens with
-    flash-attn, else 16); without flash-attn half the budget is left to the row buffers
-    (fast_sampling.RowKVCache), which may take as much. rollout.Engine sizes its pool with it."""
+    """Token positions a KV pool of `budget` bytes holds, in whole blocks (256 with flash-attn, else
+    16); without flash-attn half is left to the row buffers (fast_sampling.RowKVCache)."""
     block_size = block_size or (256 if flash else 16)
     per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
     per_block = per_token * block_size * torch.empty(0, dtype=dtype).element_size()
@@ -137,8 +121,7 @@ def kv_pool_tokens(config, budget, dtype, flash, block_size=None):
 
 
 def run_sft_phases(model, opt, cfg, device, world, mark, sft):
-    """sft.py's step on dummy tokens (sft: the sft module): sft.forward_backward over two packed
-    micro-batches of micro_batch_tokens, then AdamW's step."""
+    """sft.py's step on dummy tokens: sft.forward_backward on two micro-batches, AdamW's step."""
     n = cfg.micro_batch_tokens
     seq = (torch.zeros(n, dtype=torch.int32), torch.ones(n, dtype=torch.bool))
     run = SimpleNamespace(train_seqs=[seq, seq], model=model, device=device, world=world, rank=0)

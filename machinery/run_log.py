@@ -1,6 +1,5 @@
-"""machinery/run_log.py: what a run leaves behind to be watched by: metrics.jsonl lines that survive
-a resume (and the same numbers in Weights & Biases), rl.py's step record and printed step line, kept
-trajectories for scripts/view.py, the learning curve printed at the end of rl.py."""
+"""machinery/run_log.py: what a run leaves to be watched by: metrics.jsonl (and Weights & Biases),
+rl.py's step record and line, kept trajectories for scripts/view.py, the learning curve."""
 
 import gzip
 import json
@@ -14,11 +13,8 @@ from machinery.distributed import all_reduce, print0
 
 
 class Metrics:
-    """out_dir/metrics.jsonl on rank 0 (path None: no file; out_dir: where wandb writes). A resumed
-    run first drops the lines past its step (written after the checkpoint it resumes from), so no
-    step appears twice. With config.wandb_project set, rank 0 also logs to Weights & Biases: the
-    config once, every line's numbers under the same names ("time": {"rollout": s} as
-    time/rollout), the final summary; a resumed run continues the same wandb run."""
+    """metrics.jsonl on rank 0 (path None: none); a resume drops the lines past its step. With
+    config.wandb_project rank 0 also logs every line's numbers to wandb ("time/rollout")."""
 
     def __init__(self, path, config, step=0, out_dir=None):
         rank0 = not dist.is_initialized() or dist.get_rank() == 0
@@ -51,7 +47,7 @@ class Metrics:
             self.wandb.log(numbers, step=record.get("step", 0))
 
     def finish(self, summary=None):
-        """The run's summary into wandb (its numbers), and the wandb run closed."""
+        """The summary's numbers into wandb, and the wandb run closed."""
         if self.wandb:
             self.wandb.summary.update(flat_numbers(summary or {}))
             self.wandb.finish()
@@ -70,8 +66,7 @@ def flat_numbers(record, prefix=""):
 
 
 def start_wandb(config, out_dir, step):
-    """wandb.init on rank 0: project config.wandb_project, name config.wandb_run; the run's id kept
-    in out_dir/wandb_run_id, so a resumed run (step > 0) continues the same wandb run."""
+    """wandb.init, the run's id kept in out_dir/wandb_run_id: a resumed run continues that run."""
     try:
         import wandb
     except ImportError:
@@ -87,8 +82,7 @@ def start_wandb(config, out_dir, step):
 
 
 def write_trajectories(out_dir, step, records):
-    """records (rank 0's gathered list) into out_dir/trajectories/step_NNNNNN.jsonl.gz, by problem
-    and sample, one compact JSON line each (what scripts/view.py reads)."""
+    """records into out_dir/trajectories/step_NNNNNN.jsonl.gz by problem and sample, a line each."""
     folder = os.path.join(out_dir, "trajectories")
     os.makedirs(folder, exist_ok=True)
     # a lone surrogate (a call's "\ud800") is no UTF-8: written as that escape, it reads back as is
@@ -99,8 +93,8 @@ def write_trajectories(out_dir, step, records):
 
 
 def learning_curve(out_dir):
-    """Reward, training accuracy and tool calls per trajectory by step, from metrics.jsonl, as a
-    table, and as out_dir/learning_curve.png when matplotlib (optional) is installed."""
+    """Reward, accuracy and tool calls by step from metrics.jsonl: a table, and with matplotlib
+    (optional) out_dir/learning_curve.png."""
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
         rows = [r for r in map(json.loads, f) if r.get("event") == "step"]
     keys = {"reward": "mean reward", "accuracy": "accuracy of the step's samples",
@@ -125,9 +119,8 @@ def learning_curve(out_dir):
 
 
 def step_metrics(step, everyone, groups, updates, mismatch, device, engine_stats):
-    """One metrics line: rewards, accuracy, tool use, lengths, the loss stats (means over the
-    updates), the entropy and the sampler/trainer mismatch (rl.sampler_mismatch), the KV pool
-    (its size, its peak use and the preemptions: the largest and the sum over ranks)."""
+    """One metrics line: rewards, tool use, lengths, the loss stats (means over the updates), the
+    mismatch (rl.sampler_mismatch), the KV pool (peak use: max over ranks; preemptions: sum)."""
     n, calls = len(everyone), sum(s["tool_calls"] for s in everyone)
     preemptions = all_reduce([engine_stats["preemptions"]], device)[0]
     kv_peak = all_reduce([engine_stats["kv_peak_tokens"]], device, dist.ReduceOp.MAX)[0]
