@@ -1,11 +1,9 @@
-"""machinery/sandbox_pool.py: the warm pool behind sandbox.py and its verdicts (docs/SANDBOX.md
-has the reasoning). Sandbox runs one thread per worker in the calling process, which it makes not
-dumpable: it writes each run's job and stdin, caps its output (_Capture), keeps its deadline (the
-timeout, moved by what its main thread waited for a CPU, up to BACKSTOP times) and gives the
-verdict (_verdict) from kernel facts, never from what the run wrote. grants() and _layers(): what
-this machine grants of the optional LAYERS, and the plan the workers follow (among it each worker's
-uid); each worker's first run (_PROBE) checks from inside that the plan holds. Never imports
-sandbox.py."""
+"""machinery/sandbox_pool.py: the warm pool behind sandbox.py and its verdicts (docs/SANDBOX.md).
+One thread per worker writes each run's job and stdin, caps its output (_Capture), keeps its
+deadline and gives the verdict (_verdict) from kernel facts, never from what the run wrote.
+grants(), _layers(): what this machine grants of the optional LAYERS, and the plan the workers
+follow (each worker's uid among it); each worker's first run (_PROBE) checks the plan from inside.
+Never imports sandbox.py."""
 from __future__ import annotations
 
 import atexit
@@ -32,8 +30,7 @@ from dataclasses import dataclass
 from machinery import sandbox_linux
 from machinery.sandbox_linux import (ARCH, MAX_FILES, PR_SET_DUMPABLE, available_cores,
                                      missing_layer, prctl)
-# The worker's limits are part of this module's API (tests and scripts read them here).
-from machinery.sandbox_worker import (MAX_OPEN_FILES, MAX_SIGNALS, MAX_TASKS,  # noqa: F401
+from machinery.sandbox_worker import (MAX_OPEN_FILES, MAX_SIGNALS, MAX_TASKS,  # noqa: F401 (API)
                                       PREIMPORT, THREAD_VARS, THIS_FILE as WORKER_FILE,
                                       cpu_time, remove_tree)
 
@@ -41,9 +38,7 @@ DEFAULT_OUTPUT_LIMIT = 64 * 1024   # bytes kept of stdout and of stderr, each
 DEFAULT_DISK_MB = 64               # tmpfs size: the run's total bytes on disk
 MAX_SEND_ATTEMPTS = 3              # sends of one job to workers that die before forking it
 GRACE = 30.0                       # seconds a worker may be late before it is presumed hung
-# A run that waited for a CPU (other runs, the host) has its deadline moved by that wait, up to
-# BACKSTOP times its timeout of wall clock; its CPU time stays bound by RLIMIT_CPU.
-BACKSTOP = 3.0
+BACKSTOP = 3.0                     # a deadline moved by CPU waits: at most this times the timeout
 
 
 @dataclass
@@ -87,17 +82,15 @@ class _Capture:
 
 
 def _verdict(job: dict, exit_info: dict, failure: bytes, base_rss: int, timed_out: bool) -> tuple:
-    """(status, returncode) of a finished run from kernel facts: exit status, CPU time, peak memory,
-    the deadline. "ok" is exit status 0 with nothing on fd 3, where the run's guard reports a
-    failure (`failure`: the last byte there; M: of memory); nothing the run prints counts."""
+    """(status, returncode) from kernel facts, never from what the run printed: "ok" is exit
+    status 0 with nothing on fd 3, where its guard reports a failure (last byte; M: memory)."""
     code = os.waitstatus_to_exitcode(exit_info["status"])     # -signal when a signal ended it
-    # The CPU rlimit's SIGXCPU, then SIGKILL, come only once the CPU time is spent.
+    # RLIMIT_CPU's SIGXCPU, then SIGKILL, come only once the CPU time is spent.
     if timed_out or exit_info["cpu"] >= math.ceil(job["timeout"]) + 0.95:
         return "timeout", code
     if code == 0 and not failure:
         return "ok", 0
-    # A failing run that filled its memory failed for want of it, however that showed (3.11
-    # reports a failed frame allocation as SystemError, C code may crash).
+    # A failing run that filled its memory failed for want of it (3.11 may say SystemError).
     near_limit = exit_info["maxrss"] * 1024 - base_rss >= 0.9 * job["memory_mb"] * 2 ** 20
     if failure == b"M" or near_limit:
         return "memory", code
@@ -108,11 +101,10 @@ def _job(code, timeout=10.0, memory_mb=1024, stdin="", output_limit=DEFAULT_OUTP
          disk_mb=DEFAULT_DISK_MB) -> dict:
     if not isinstance(code, str):
         raise TypeError("code must be a str")
-    job = {"code": code, "stdin": stdin or "", "timeout": float(timeout),
-           "memory_mb": int(memory_mb), "output_limit": int(output_limit),
-           "disk_mb": float(disk_mb)}
+    job = {"code": code, "stdin": stdin or "", "timeout": float(timeout), "disk_mb": float(disk_mb),
+           "memory_mb": int(memory_mb), "output_limit": int(output_limit)}
+    # (a tmpfs of size=0 would have no limit at all)
     if job["timeout"] <= 0 or job["memory_mb"] <= 0 or job["disk_mb"] * 2 ** 20 < 4096:
-        # (a tmpfs of size=0 would have no limit at all)
         raise ValueError("timeout and memory_mb must be positive, disk_mb at least 4 KiB")
     return job
 
@@ -128,8 +120,8 @@ def _receive(sock: socket.socket, timeout: float) -> dict | None:
 
 
 def _environment(directory: str) -> dict:
-    """A worker's environment, its runs': a fixed list, nothing of ours (no token, key or secret);
-    few glibc malloc arenas, whose 64 MiB reservations per thread eat the address-space limit."""
+    """A fixed list, nothing of ours (no token, key or secret); few glibc malloc arenas, whose
+    64 MiB reservations per thread eat the address-space limit."""
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": directory, "TMPDIR": directory,
            "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "TZ": "UTC", "PYTHONIOENCODING": "utf-8",
            "MPLBACKEND": "Agg", "USER": "sandbox", **THREAD_VARS, "MALLOC_ARENA_MAX": "2"}
@@ -140,8 +132,7 @@ def _environment(directory: str) -> dict:
 
 @functools.lru_cache(maxsize=None)
 def grants() -> dict:
-    """What this machine grants of the optional layers: sandbox_linux.detect() in a fresh process
-    started like a worker (it forks to try them), once per process."""
+    """sandbox_linux.detect() in a fresh process started like a worker (it forks), once."""
     found = subprocess.run([sys.executable, "-I", "-S", sandbox_linux.__file__,
                             str(sandbox_linux.run_uid(0))], env=_environment(tempfile.gettempdir()),
                            capture_output=True, text=True, timeout=120)
@@ -156,9 +147,8 @@ LAYERS = {"uid": "a uid of its own", "landlock": "Landlock", "mount": "mount nam
 
 
 def required(require: str) -> set:
-    """The LAYERS that `require` asks for, each of which a worker's probe then checks from inside:
-    "default" (Landlock, with its own refusal line), "floor" (none), "all", or names of LAYERS,
-    comma-separated ("landlock,mount"); ValueError for anything else."""
+    """The LAYERS `require` asks for: "default" (Landlock), "floor" (none), "all", or names of
+    LAYERS, comma-separated; ValueError for anything else."""
     names = require.split(",")
     if require in ("default", "floor", "all"):
         return {"default": {"landlock"}, "floor": set(), "all": set(LAYERS)}[require]
@@ -171,8 +161,7 @@ def required(require: str) -> set:
 def _layers(found: dict) -> tuple:
     """(plan the workers follow, what is in force, {layer: why not} of LAYERS) from grants()."""
     root, user, uid, cgroup = (found[k] for k in ("mount_root", "mount_user", "uid", "cgroup"))
-    # RLIMIT_NPROC counts only a run's tasks under a uid of its own, or in a user namespace of its
-    # own (where the run keeps the pool's uid).
+    # RLIMIT_NPROC counts only a run's tasks under a uid of its own, or in a user namespace.
     nproc_uid = not cgroup and not uid["why"] and uid["nproc"]
     nproc_userns = not cgroup and not nproc_uid and uid["why"] and not user["why"] and user["nproc"]
     # Else, keeping a uid other than 0: that uid's task count at each run, plus the run's share.
@@ -238,10 +227,8 @@ def default_workers() -> int:
 # ---------------------------------------------------------------- the pool
 
 class Sandbox:
-    """A warm pool of workers, one run per worker at a time, one pool thread per worker feeding and
-    watching it. Thread-safe; use one per process. Futures resolve on pool threads: callbacks must
-    not block. require: see required(); by default a run sees only its own directory and the
-    Python installation (Landlock), else the pool refuses to start, saying why."""
+    """A warm pool, one run per worker at a time, one pool thread per worker. Thread-safe; use one
+    per process. Futures resolve on pool threads: callbacks must not block. require: required()."""
 
     def __init__(self, workers: int | None = None, preimport=PREIMPORT, require: str = "default"):
         if missing := missing_layer():
@@ -274,8 +261,7 @@ class Sandbox:
                                f"--sandbox_require=floor starts anyway and gives that up: runs "
                                f"then read {lost}")
         print(self.description, file=sys.stderr, flush=True)
-        # The pool's process: no run (nor any process of its uid) opens its /proc/<pid>/mem,
-        # environ or fd, and its /proc files are root's.
+        # No run (nor any process of our uid) opens our /proc/<pid>/mem, environ or fd.
         prctl(PR_SET_DUMPABLE, 0)
         self.root = tempfile.mkdtemp(prefix="sandbox-")      # its mode: _spawn
         self._queue = queue.SimpleQueue()          # (job, future)
@@ -491,9 +477,8 @@ class Sandbox:
         return futures
 
     def _fail(self, message: str, lasting: bool = True) -> bool:
-        """Fail the queued jobs with `message`: a lasting failure (a layer not in force) stops the
-        pool; a passing one acts only once every slot failed to start 3 times running and none
-        is ready."""
+        """Fail the queued jobs: a lasting failure (a layer not in force) stops the pool; a passing
+        one acts only once every slot failed to start 3 times running and none is ready."""
         with self._lock:
             if not lasting:
                 serving = any(w and w.ready and not w.dead for w in self._workers)
@@ -588,8 +573,7 @@ class Sandbox:
         self.close()
 
 
-# The first run of every worker: confinement measured from inside, not assumed; _expected says
-# which facts must hold under a plan.
+# Every worker's first run: confinement measured from inside; _expected: what must hold.
 _PROBE = r'''import ctypes, fcntl, json, os, resource, socket, threading
 libc, caps = ctypes.CDLL(None), (ctypes.c_uint32 * 6)()
 libc.capget((ctypes.c_uint32 * 2)(0x20080522, 0), caps)
