@@ -1,13 +1,10 @@
-"""machinery/sandbox_worker.py: what a sandbox worker runs (`python -I -S sandbox_worker.py
---worker CONFIG`; without `site`, so no .pth file runs), in a run's order:
-- _zygote_main: in a mount namespace of its own where it may, it opens the Python installation to
-  the runs' uid if a closed directory hides it and shows them a /proc of their own processes only;
-  it pre-imports, then forks one child per "fork" request (three pipe ends, the run's disk and CPU
-  limits; no job data) with a socket of its own as fd 3, watches what the kernel does not bound
-  (_overdrawn, charged to the run), and reports the exit status and fd 3.
-- _child: confines the child in the fixed order; _run_user_code runs the code like `python -c`,
-  its statements inside a guard (_guarded) that reports a failure on fd 3 first.
-Imports sandbox_linux and the standard library only."""
+"""machinery/sandbox_worker.py: what a sandbox worker runs (`python -I -S sandbox_worker.py --worker
+CONFIG`; without `site`, so no .pth file runs). _zygote_main opens the Python installation to the
+runs' uid and hides /proc where it may, pre-imports, forks one child per "fork" request (three pipe
+ends, no job data) with a socket of its own as fd 3, watches what the kernel does not bound
+(_overdrawn) and reports the exit status and fd 3. _child confines the child in the fixed order;
+_run_user_code runs the code like `python -c`, inside a guard (_guarded) that reports a failure on
+fd 3 first. Imports sandbox_linux and the standard library only."""
 from __future__ import annotations
 
 import ast
@@ -134,10 +131,8 @@ def _child(zygote: dict, fds: list, address_space: int, cpu: int, disk: int) -> 
         os._exit(_SETUP_FAILED)
 
 
-# The guard around a run's statements. Its handlers step a reporter (`[] = it` steps an iterator
-# once): no call the profiler sees, no line the tracer sees (no line numbers), no check for signals
-# or other threads before the report is on fd 3. Its constants, replaced after compiling, carry a
-# token no program knows when it is compiled.
+# The guard around a run's statements: its handlers step a reporter (`[] = it`), so no call, line,
+# signal or thread runs before the report is on fd 3; its constants carry a token no program knows.
 _MARKS = [f"guard {os.urandom(8).hex()}: {name}" for name in ("SystemExit", "exit", "crash")]
 _GUARD = ast.parse("try:\n    pass\nexcept '{}':\n    [] = '{}'\n    raise\nexcept:\n    [] = '{}'\n"
                    "    raise\n".format(*_MARKS)).body[0]
@@ -147,10 +142,8 @@ for _node in ast.walk(_GUARD):
 
 
 def _reporters() -> dict:
-    """The guard's constants: reporters that write on fd 3 when stepped, in C (faulthandler's
-    stack dump: GIL held, nothing allocated for the GC to act on), for a crash and for a SystemExit
-    unless its code is None, 0 or False (by identity: no method of the code's own runs). Stepping
-    them beforehand only writes the report; none has state to undo it."""
+    """The guard's constants: reporters that write on fd 3 in C when stepped (faulthandler's dump:
+    no GC), for a crash and a SystemExit whose code is not None, 0 or False (by identity)."""
     dump = starmap(faulthandler.dump_traceback, repeat((EPILOGUE_FD, False))).__next__
     codes = map(SystemExit.code.__get__, starmap(sys.exception, repeat(())))
     fine = map(frozenset(map(id, (None, 0, False))).__contains__, map(id, codes))
@@ -162,12 +155,9 @@ def _guarded(source: str) -> types.CodeType:
     """`source` compiled with its statements (after a docstring and __future__ imports, which cannot
     fail) inside _GUARD: a failure leaving them is on fd 3 before it reaches this bootstrap."""
     tree = compile(source, "<string>", "exec", ast.PyCF_ONLY_AST, dont_inherit=True)
-    head = 0
-    for node in tree.body:
-        if not (isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
-                or getattr(node, "module", 0) == "__future__"):
-            break
-        head += 1
+    head = next((i for i, node in enumerate(tree.body)
+                 if not (isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
+                         or getattr(node, "module", 0) == "__future__")), len(tree.body))
     if head < len(tree.body):
         _GUARD.body, tree.body = tree.body[head:], tree.body[:head] + [_GUARD]
     code, consts = compile(tree, "<string>", "exec", dont_inherit=True), _reporters()
@@ -186,12 +176,10 @@ def _tasks_of(uid: int) -> int:
 
 
 def _run_user_code(source: str) -> None:
-    """Behave like `python -c source` in a fresh interpreter, then exit. A failure (an exception, or
-    SystemExit other than 0) is on fd 3, by its guard, before anything of the run's own (a hook,
-    finalizer, handler, thread) runs again; the run can neither close, replace nor shut down fd 3
-    (a socket no open() of /proc/self/fd reaches), and any bytes there make the run a failure."""
+    """Behave like `python -c source` in a fresh interpreter, then exit. A failure is on fd 3 (by
+    the guard) before anything of the run's own runs again (docs/SANDBOX.md, 'Verdicts')."""
     exit_code = SystemExit.code.__get__        # the status asked, not what a subclass says
-    # Address space set aside (untouched: free), given back on MemoryError to print the traceback.
+    # Address space set aside (untouched: free), freed on MemoryError to print the traceback.
     reserve = mmap.mmap(-1, 4 << 20)
     sys.argv, sys.dont_write_bytecode = ["-c"], True
     sys.path.insert(0, "")
@@ -262,8 +250,7 @@ def _zygote_main(config: dict) -> None:
                                        plan["hide_proc"])
     if not plan["mount"]:
         _fresh(directory, uid)
-    # Children are born in this pids cgroup; moving each run into it instead would take
-    # cgroup_threadgroup_rwsem for writing, which can wait out an RCU grace period (10-30 ms).
+    # Children are born in this pids cgroup: moving each run in would wait out an RCU grace period.
     if config["cgroup"]:
         with open(config["cgroup"] + "/cgroup.procs", "w") as f:
             f.write(str(os.getpid()))
@@ -390,8 +377,7 @@ def cpu_time(pid: int) -> float:
 
 
 def _fresh(directory: str, uid: int | None) -> None:
-    """A new empty working directory at `directory` (removing the old one drops the dentries of
-    every name looked up in it), owned by the runs' uid."""
+    """A new empty working directory, owned by the runs' uid (dropping the old one's dentries)."""
     with contextlib.suppress(OSError):
         os.rmdir(directory)
         os.mkdir(directory, 0o700)
@@ -400,10 +386,9 @@ def _fresh(directory: str, uid: int | None) -> None:
 
 
 def _walk(top: str, remove: bool = False) -> tuple:
-    """(entries, bytes) below `top`, depth-first without recursion, one descriptor at a time,
-    going up by ".." checked against where it came from: no depth raises RecursionError or runs
-    out of descriptors. Counting stops past MAX_FILES entries. `remove`: removes all below `top`
-    on the way, opening up directories their owner closed (mode 0)."""
+    """(entries, bytes) below `top`, counted up to MAX_FILES entries, without recursion and one
+    descriptor at a time (going up by ".." checked): no depth breaks it. `remove`: remove all below
+    `top` on the way, opening up directories their owner closed (mode 0)."""
     entries = size = 0
 
     def scan(fd: int) -> list:         # count one directory (unlinking its files): its subdirs
