@@ -37,8 +37,6 @@ import threading
 
 from machinery.sandbox_pool import Result, Sandbox, default_workers  # noqa: F401 (re-exported)
 
-# ---------------------------------------------------------------- the code-interpreter tool
-
 _FENCE_OPEN = re.compile(r"```[ \t]*(?:python3?|py)\b[^\n]*\n", re.IGNORECASE)
 # Wraps the final bare expression: prints its repr (not None) like the REPL; line numbers stay.
 _SHOW = (b"(lambda __value: None if __value is None else print(repr(__value)))((", b"))")
@@ -87,8 +85,6 @@ def format_tool_output(result: Result, max_chars: int = 256) -> str:
                                                 + text[len(text) - room // 2:])
     return text + note
 
-
-# ---------------------------------------------------------------- module-level API
 
 _default, _default_lock = None, threading.Lock()
 _options = {"workers": None, "require": "default"}
@@ -144,8 +140,6 @@ def submit(code: str, timeout: float = 10.0, memory_mb: int = 1024,
 def capabilities() -> dict:
     return default_sandbox().capabilities()
 
-
-# ---------------------------------------------------------------- command line
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description="Run Python code in the sandbox.")

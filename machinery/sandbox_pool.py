@@ -1,9 +1,7 @@
-"""machinery/sandbox_pool.py: the warm pool behind sandbox.py and its verdicts (docs/SANDBOX.md).
-One thread per worker writes each run's job and stdin, caps its output (_Capture), keeps its
-deadline and gives the verdict (_verdict) from kernel facts, never from what the run wrote.
-grants(), _layers(): what this machine grants of the optional LAYERS, and the plan the workers
-follow (each worker's uid among it); each worker's first run (_PROBE) checks the plan from inside.
-Never imports sandbox.py."""
+"""machinery/sandbox_pool.py: the warm pool behind sandbox.py (docs/SANDBOX.md). One thread per
+worker feeds each run, caps its output and keeps its deadline; _verdict judges from kernel facts.
+grants() and _layers(): what this machine grants of LAYERS, the plan the workers follow; each
+worker's first run (_PROBE) checks the plan from inside. Never imports sandbox.py."""
 from __future__ import annotations
 
 import atexit
@@ -54,8 +52,6 @@ class Result:
         return self.status == "ok"
 
 
-# ---------------------------------------------------------------- the pool's pieces
-
 class _Capture:
     """Keeps the head and the tail of a stream, `limit` bytes in all."""
 
@@ -82,8 +78,7 @@ class _Capture:
 
 
 def _verdict(job: dict, exit_info: dict, failure: bytes, base_rss: int, timed_out: bool) -> tuple:
-    """(status, returncode) from kernel facts, never from what the run printed: "ok" is exit
-    status 0 with nothing on fd 3, where its guard reports a failure (last byte; M: memory)."""
+    """Never from what the run printed: "ok" is exit 0 with nothing on fd 3 (`failure`: its end)."""
     code = os.waitstatus_to_exitcode(exit_info["status"])     # -signal when a signal ended it
     # RLIMIT_CPU's SIGXCPU, then SIGKILL, come only once the CPU time is spent.
     if timed_out or exit_info["cpu"] >= math.ceil(job["timeout"]) + 0.95:
@@ -120,8 +115,7 @@ def _receive(sock: socket.socket, timeout: float) -> dict | None:
 
 
 def _environment(directory: str) -> dict:
-    """A fixed list, nothing of ours (no token, key or secret); few glibc malloc arenas, whose
-    64 MiB reservations per thread eat the address-space limit."""
+    """Nothing of ours (no token or key); few malloc arenas (64 MiB each eat the address space)."""
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": directory, "TMPDIR": directory,
            "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "TZ": "UTC", "PYTHONIOENCODING": "utf-8",
            "MPLBACKEND": "Agg", "USER": "sandbox", **THREAD_VARS, "MALLOC_ARENA_MAX": "2"}
@@ -147,13 +141,11 @@ LAYERS = {"uid": "a uid of its own", "landlock": "Landlock", "mount": "mount nam
 
 
 def required(require: str) -> set:
-    """The LAYERS `require` asks for: "default" (Landlock), "floor" (none), "all", or names of
-    LAYERS, comma-separated; ValueError for anything else."""
+    """The LAYERS `require` asks for (docs/SANDBOX.md, 'The floor, the layers, ...')."""
+    presets = {"default": {"landlock"}, "floor": set(), "all": set(LAYERS)}
     names = require.split(",")
-    if require in ("default", "floor", "all"):
-        return {"default": {"landlock"}, "floor": set(), "all": set(LAYERS)}[require]
-    if set(names) <= set(LAYERS) and len(set(names)) == len(names):
-        return set(names)
+    if require in presets or set(names) <= set(LAYERS) and len(set(names)) == len(names):
+        return presets.get(require, set(names))
     raise ValueError(f"allowed: 'default' | 'floor' | 'all' | names of {sorted(LAYERS)}, "
                      f"comma-separated, each once; not {require!r}")
 
@@ -209,9 +201,8 @@ def _layers(found: dict) -> tuple:
 
 def _waited(pid: int) -> float:
     """Seconds the run's main thread spent runnable but not running (/proc/<pid>/schedstat)."""
-    with contextlib.suppress(OSError, ValueError, IndexError):
-        with open(f"/proc/{pid}/schedstat") as f:
-            return int(f.read().split()[1]) / 1e9
+    with contextlib.suppress(OSError, ValueError, IndexError), open(f"/proc/{pid}/schedstat") as f:
+        return int(f.read().split()[1]) / 1e9
     return 0.0
 
 
@@ -224,11 +215,8 @@ def default_workers() -> int:
     return max(1, available_cores() // ranks)
 
 
-# ---------------------------------------------------------------- the pool
-
 class Sandbox:
-    """A warm pool, one run per worker at a time, one pool thread per worker. Thread-safe; use one
-    per process. Futures resolve on pool threads: callbacks must not block. require: required()."""
+    """Thread-safe; one per process. Futures resolve on pool threads: callbacks must not block."""
 
     def __init__(self, workers: int | None = None, preimport=PREIMPORT, require: str = "default"):
         if missing := missing_layer():
@@ -264,12 +252,10 @@ class Sandbox:
         # No run (nor any process of our uid) opens our /proc/<pid>/mem, environ or fd.
         prctl(PR_SET_DUMPABLE, 0)
         self.root = tempfile.mkdtemp(prefix="sandbox-")      # its mode: _spawn
-        self._queue = queue.SimpleQueue()          # (job, future)
-        self._lock = threading.Lock()
+        self._queue, self._lock = queue.SimpleQueue(), threading.Lock()   # queue: (job, future)
         self._ready = threading.Event()            # set: a probe passed, or the pool failed
         self._probe = None                         # (hello, checks) of the first worker
-        self._broken = None                        # why the pool stopped for good
-        self._trouble = None                       # why no worker is ready now
+        self._broken = self._trouble = None        # why it stopped for good; why none is ready
         self._closed, self._stop = False, threading.Event()
         self._generation = itertools.count(1)
         self._workers, self._failures = [None] * self.num_workers, [0] * self.num_workers
@@ -278,8 +264,6 @@ class Sandbox:
         for thread in self._threads:
             thread.start()
         atexit.register(self.close)
-
-    # -- one thread per worker --------------------------------------------------------------
 
     def _serve(self, index: int) -> None:
         future, failures = None, self._failures
@@ -316,8 +300,7 @@ class Sandbox:
         future.set_result(result or lost)
 
     def _start_worker(self, index: int) -> bool:
-        """A fresh worker in slot `index`, its first run the probe; False when it died or said
-        nothing. A probe that finds a layer not in force stops the pool."""
+        """A fresh worker, its first run the probe (a layer found not in force stops the pool)."""
         if self._workers[index] is not None:
             self._retire(self._workers[index])
         if self._closed:
@@ -454,8 +437,7 @@ class Sandbox:
                     worker.proc.kill()         # late to fork, or to end once killed: hung
                     deadline = now + 1.0
                 elif now >= deadline:
-                    # Time its main thread waited for a CPU is not up, while the run used less CPU
-                    # than its timeout (its own threads taking turns spend it), to the backstop.
+                    # CPU waits of its main thread do not count, while it used under its timeout.
                     waited = _waited(pid) * (cpu_time(pid) < job["timeout"])
                     moved = start + min(BACKSTOP, 1 + waited / job["timeout"]) * job["timeout"]
                     if moved > now + 0.005:
@@ -477,8 +459,7 @@ class Sandbox:
         return futures
 
     def _fail(self, message: str, lasting: bool = True) -> bool:
-        """Fail the queued jobs: a lasting failure (a layer not in force) stops the pool; a passing
-        one acts only once every slot failed to start 3 times running and none is ready."""
+        """Fail the queued jobs; a passing failure only once every slot failed 3 times running."""
         with self._lock:
             if not lasting:
                 serving = any(w and w.ready and not w.dead for w in self._workers)
@@ -491,8 +472,6 @@ class Sandbox:
             if future.set_running_or_notify_cancel():
                 future.set_exception(RuntimeError(self._broken or self._trouble))
         return False
-
-    # -- public API -------------------------------------------------------------------------
 
     def submit(self, code: str, timeout: float = 10.0, memory_mb: int = 1024, stdin: str = "",
                output_limit: int = DEFAULT_OUTPUT_LIMIT,
@@ -612,7 +591,6 @@ print(json.dumps({{"fork_blocked": refused(os.fork), "inet_blocked": refused(soc
 
 
 def _expected(plan: dict) -> list:
-    """The probe's facts that must hold under `plan`."""
     return (["fork_blocked", "inet_blocked", "unix_bind_blocked", "host_metadata_blocked",
              "signals_blocked", "inotify_blocked", "locks_blocked", "stdin_read_only",
              "not_dumpable", "epilogue_kept", "workdir_writable", "no_new_privs",

@@ -67,8 +67,6 @@ _SETUP_FAILED = 125                # exit code of a child that could not confine
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
-# ---------------------------------------------------------------- the child: confine, then run
-
 def _read_exactly(fd: int, size: int) -> bytes:
     data = b""
     while len(data) < size and (chunk := os.read(fd, size - len(data))):
@@ -234,8 +232,6 @@ def _run_user_code(source: str) -> None:
         sys.stderr.flush()
     os._exit(status)
 
-
-# ---------------------------------------------------------------- the worker (zygote)
 
 def _zygote_main(config: dict) -> None:
     """Fork one child per "fork" request, watch it where the kernel does not bound it, report its
