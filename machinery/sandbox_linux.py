@@ -1,8 +1,6 @@
-"""machinery/sandbox_linux.py: the Linux calls a run locks itself down with, via ctypes: seccomp BPF
-assembled here, Landlock, a private mount namespace (host read-only, a tmpfs quota; through a user
-namespace when not root), a uid of the run's own, no capabilities, a pids cgroup. detect() finds
-out once, in a fresh process, which layers beyond the floor this machine grants, and who refused
-the others."""
+"""machinery/sandbox_linux.py: the Linux calls a run locks itself down with, via ctypes (seccomp
+BPF, Landlock, mount and user namespaces, uids, capabilities, pids cgroups); detect(): which
+optional layers this machine grants, and who refused the others."""
 import contextlib
 import ctypes
 import errno
@@ -56,8 +54,7 @@ setxattrat 463 463 removexattrat 466 466 truncate 76 45 unlink 87 - unlinkat 263
 link 86 - linkat 265 37 rename 82 - renameat 264 38 renameat2 316 276""".split()
 _SYSCALLS = {arch: {name: int(nr) for name, nr in zip(_TABLE[::3], _TABLE[column::3])
                     if nr != "-"} for column, arch in ((1, "x86_64"), (2, "aarch64"))}
-# Without a mount namespace seccomp refuses what read-only mounts and the tmpfs quota would stop:
-# metadata of host files a run's uid may own, disk the worker's count misses (docs/SANDBOX.md, 8.)
+# Refused without a mount namespace: host file metadata, uncounted disk (docs/SANDBOX.md, layer 8).
 METADATA = set("""chmod fchmod fchmodat fchmodat2 chown fchown lchown fchownat utime utimes
 futimesat utimensat setxattr lsetxattr fsetxattr removexattr lremovexattr fremovexattr
 setxattrat removexattrat truncate""".split())
@@ -73,8 +70,7 @@ _CLONE_THREAD, _CLONE_NEW = 0x00010000, 0x7E020080   # NEW{NS,CGROUP,UTS,IPC,USE
 _CLONE_NEWNS, _CLONE_NEWUSER = 0x00020000, 0x10000000
 _MS_BIND, _MS_REC, _MS_PRIVATE = 0x1000, 0x4000, 0x40000
 _OWN, _GROUP = "own", "group"      # the run's pid and -pid, filled in by each child
-# fcntl: locks and leases (hold up the host), F_NOTIFY, F_SETOWN/F_SETSIG (signal the uid's
-# processes), F_SETPIPE_SZ (a pipe quota shared with the host).
+# fcntl: locks, leases, F_NOTIFY, F_SETOWN/F_SETSIG, F_SETPIPE_SZ (docs/SANDBOX.md, layer 8).
 _FCNTL_REFUSED = (6, 7, 8, 10, 15, 37, 38, 1024, 1026, 1031)
 # FIOSETOWN, SIOCSPGRP (as F_SETOWN); FS_IOC_SETFLAGS (64-, 32-bit), FS_IOC_FSSETXATTR (chattr).
 _IOCTL_REFUSED = (0x8901, 0x8902, 0x40086602, 0x40046602, 0x401C5820)
@@ -103,8 +99,7 @@ def prctl(option: int, a2: int = 0, a3: int = 0) -> int:
 
 
 def seccomp_filter(no_mount: bool) -> list:
-    """The filter as (code, jt, jf, k) tuples; k may be _OWN or _GROUP, set per child. `no_mount`:
-    refuse METADATA and _DISK growth too (no read-only mounts or tmpfs to stop them)."""
+    """(code, jt, jf, k) tuples, k maybe _OWN or _GROUP; `no_mount`: refuse METADATA, _DISK too."""
     deny, allow = (_RET, 0, 0, _ERRNO | errno.EPERM), (_RET, 0, 0, _ALLOW)
     unsupported = (_RET, 0, 0, _ERRNO | errno.EOPNOTSUPP)
     prog = [(_LD, 0, 0, 4), (_JEQ, 1, 0, _AUDIT_ARCH[ARCH]), (_RET, 0, 0, _KILL_PROCESS),
@@ -208,9 +203,8 @@ class Landlock:
 
 def enter_mount_namespace(workdir: str, disk_mb: float, userns: bool,
                           owner: int | None = None) -> None:
-    """Every mount read-only, nosuid and private (a shared "/" would propagate our tmpfs to the
-    host), then a fresh tmpfs on `workdir`. `userns`: first a user namespace of our own (ids mapped
-    to themselves), where we may mount unprivileged and RLIMIT_NPROC counts only this run."""
+    """Every mount read-only, nosuid and private (a shared "/" would propagate our tmpfs), then a
+    tmpfs on `workdir`; `userns`: in a user namespace of our own (ids mapped to themselves)."""
     if userns:
         uid, gid = os.geteuid(), os.getegid()
         _check(_libc.unshare(_CLONE_NEWUSER | _CLONE_NEWNS), "unshare(CLONE_NEWUSER|CLONE_NEWNS)")
@@ -233,8 +227,7 @@ def enter_mount_namespace(workdir: str, disk_mb: float, userns: bool,
 
 
 def closed_above(paths: list) -> list:
-    """The topmost directories above `paths` that other users may not enter (pyenv's Python
-    under a 0700 /root): what worker_namespace() opens."""
+    """The topmost directories above `paths` other users may not enter (pyenv under /root)."""
     found = set()
     for path in paths:
         parts = path.split("/")
@@ -247,9 +240,8 @@ def closed_above(paths: list) -> list:
 
 
 def worker_namespace(closed: list, keep: list, hide: bool) -> bool:
-    """A mount namespace of our own (CAP_SYS_ADMIN) where the `keep` paths below each `closed`
-    directory are bind-mounted back on a tmpfs (0755) over it; `hide`: a /proc with hidepid, where
-    a process sees no process it may not ptrace (another uid's, or not dumpable); if done."""
+    """`keep` paths bind-mounted back on a tmpfs over each `closed` directory; `hide`: a /proc with
+    hidepid, if the kernel allows (docs/SANDBOX.md, 'A run is another user')."""
     _check(_libc.unshare(_CLONE_NEWNS), "unshare(CLONE_NEWNS)")
     _check(_libc.mount(None, b"/", None, _MS_REC | _MS_PRIVATE, None), "mount(MS_PRIVATE)")
     umask = os.umask(0o022)
@@ -284,7 +276,6 @@ def has_capability(cap: int) -> bool:
 
 
 def become(uid: int) -> None:
-    """This process becomes uid and gid `uid`, with no supplementary groups."""
     for call, args in ((os.setgroups, [[]]), (os.setresgid, [uid] * 3), (os.setresuid, [uid] * 3)):
         try:
             call(*args)
@@ -293,8 +284,7 @@ def become(uid: int) -> None:
 
 
 def drop_capabilities(last_cap: int, uid: int | None = None) -> None:
-    """Every capability gone for good (securebits locked and the bounding set emptied, given
-    CAP_SETPCAP); `uid`: become that user on the way, while CAP_SETUID and CAP_SETGID are held."""
+    """Every capability gone for good; `uid`: become it on the way, while CAP_SETUID is held."""
     if has_capability(_CAP_SETPCAP):
         prctl(_PR_SET_SECUREBITS, 0xEF)   # NOROOT, NO_SETUID_FIXUP, NO_CAP_AMBIENT_RAISE + locks
         for cap in range(last_cap + 1):
@@ -319,8 +309,7 @@ def set_oom_score() -> None:
 
 
 def run_uid(slot: int) -> int:
-    """The runs' uid of worker `slot`: one of 2**22 blocks of 256 above 2**30, from our pid, pid
-    namespace and slot // 256 (docs/SANDBOX.md, 'A run is another user')."""
+    """The runs' uid of worker `slot` (docs/SANDBOX.md, 'A run is another user')."""
     pid = os.getpid()
     with contextlib.suppress(OSError):
         pid += os.stat("/proc/self/ns/pid").st_ino * 2654435761
@@ -328,8 +317,7 @@ def run_uid(slot: int) -> int:
 
 
 def readable_paths() -> list:
-    """What a run may read: system libraries and the Python installation, no more (an editable
-    project install on sys.path, say, is left out on purpose)."""
+    """System libraries and the Python installation, no more (no editable project install)."""
     paths = ["/usr", "/lib", "/lib64", "/lib32", "/etc/ld.so.cache", "/etc/localtime",
              "/sys/devices/system/cpu", sysconfig.get_config_var("LIBDIR")]
     paths += [sysconfig.get_paths()[k] for k in ("stdlib", "purelib", "platlib")]
@@ -338,8 +326,7 @@ def readable_paths() -> list:
 
 
 def pids_cgroup() -> tuple:
-    """(directory, version, why not) where this process may create pids cgroups: its own cgroup
-    of the v1 pids hierarchy, else of cgroup2 when pids is delegated to its children."""
+    """(directory, version, why not) of our pids cgroup: v1, else cgroup2 with pids delegated."""
     try:
         paths = dict(line.rstrip("\n").split(":", 2)[1:] for line in open("/proc/self/cgroup"))
     except OSError as exc:
@@ -383,8 +370,7 @@ def missing_layer() -> str | None:
 
 
 def _refusal(exc: OSError, cap: int | None = None) -> str:
-    """Its errno and who refused it, when that can be told: a seccomp filter refuses the call with
-    invalid arguments too, which the kernel itself answers EINVAL or EFAULT."""
+    """Its errno and who refused it (a seccomp filter refuses invalid arguments; the kernel not)."""
     why, name = [exc.strerror], exc.strerror.split("(")[0].split(":")[0]
     number = {**_SYSCALLS[ARCH], "landlock_create_ruleset": _NR_LANDLOCK_CREATE}.get(name)
     if number and _libc.syscall(ctypes.c_long(number), *[ctypes.c_long(-1)] * 5) == -1 and \
@@ -436,8 +422,7 @@ def _try_mount(directory: str, userns: bool) -> dict:
 
 
 def _try_uid(uid: int, paths: list) -> dict:
-    """In a child: become `uid` as a run does (opening a closed Python installation first, in a
-    mount namespace of its own) and read what a run reads."""
+    """In a child: become `uid` as a run does and read what a run reads."""
     found = {"why": None, "expose": closed_above(paths), "nproc": False, "hide_proc": False}
     try:
         try:
@@ -463,8 +448,7 @@ def _try_uid(uid: int, paths: list) -> dict:
 
 
 def detect(uid: int) -> dict:
-    """Which optional layers this machine grants, each tried as a run uses it (`uid`: a run's),
-    and why not the others. It forks: sandbox_pool.grants() runs it in a fresh process."""
+    """Each optional layer tried as a run uses it; it forks (grants() runs it in a new process)."""
     found = {"landlock": 0, "landlock_why": None}
     try:
         found["landlock"] = _syscall(_NR_LANDLOCK_CREATE, 0, 0, 1, what="landlock_create_ruleset")
