@@ -1,10 +1,7 @@
-"""machinery/sandbox_worker.py: what a sandbox worker runs (`python -I -S sandbox_worker.py --worker
-CONFIG`; without `site`, so no .pth file runs). _zygote_main opens the Python installation to the
-runs' uid and hides /proc where it may, pre-imports, forks one child per "fork" request (three pipe
-ends, no job data) with a socket of its own as fd 3, watches what the kernel does not bound
-(_overdrawn) and reports the exit status and fd 3. _child confines the child in the fixed order;
-_run_user_code runs the code like `python -c`, inside a guard (_guarded) that reports a failure on
-fd 3 first. Imports sandbox_linux and the standard library only."""
+"""machinery/sandbox_worker.py: a sandbox worker (`python -I -S sandbox_worker.py --worker CONFIG`;
+no `site`, so no .pth file runs). _zygote_main forks one child per request and watches what the
+kernel does not bound; _child confines the child in the fixed order; _run_user_code runs the code
+like `python -c`, in a guard that reports a failure on fd 3 first. Stdlib and sandbox_linux only."""
 from __future__ import annotations
 
 import ast
@@ -129,8 +126,7 @@ def _child(zygote: dict, fds: list, address_space: int, cpu: int, disk: int) -> 
         os._exit(_SETUP_FAILED)
 
 
-# The guard around a run's statements: its handlers step a reporter (`[] = it`), so no call, line,
-# signal or thread runs before the report is on fd 3; its constants carry a token no program knows.
+# The guard: its handlers step a reporter (`[] = it`): nothing runs before the report on fd 3.
 _MARKS = [f"guard {os.urandom(8).hex()}: {name}" for name in ("SystemExit", "exit", "crash")]
 _GUARD = ast.parse("try:\n    pass\nexcept '{}':\n    [] = '{}'\n    raise\nexcept:\n    [] = '{}'\n"
                    "    raise\n".format(*_MARKS)).body[0]
@@ -140,8 +136,7 @@ for _node in ast.walk(_GUARD):
 
 
 def _reporters() -> dict:
-    """The guard's constants: reporters that write on fd 3 in C when stepped (faulthandler's dump:
-    no GC), for a crash and a SystemExit whose code is not None, 0 or False (by identity)."""
+    """Reporters writing on fd 3 in C: a crash; a SystemExit with a code not None, 0, False."""
     dump = starmap(faulthandler.dump_traceback, repeat((EPILOGUE_FD, False))).__next__
     codes = map(SystemExit.code.__get__, starmap(sys.exception, repeat(())))
     fine = map(frozenset(map(id, (None, 0, False))).__contains__, map(id, codes))
@@ -150,8 +145,7 @@ def _reporters() -> dict:
 
 
 def _guarded(source: str) -> types.CodeType:
-    """`source` compiled with its statements (after a docstring and __future__ imports, which cannot
-    fail) inside _GUARD: a failure leaving them is on fd 3 before it reaches this bootstrap."""
+    """`source` compiled, its statements after docstring and __future__ imports inside _GUARD."""
     tree = compile(source, "<string>", "exec", ast.PyCF_ONLY_AST, dont_inherit=True)
     head = next((i for i, node in enumerate(tree.body)
                  if not (isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
@@ -174,8 +168,7 @@ def _tasks_of(uid: int) -> int:
 
 
 def _run_user_code(source: str) -> None:
-    """Behave like `python -c source` in a fresh interpreter, then exit. A failure is on fd 3 (by
-    the guard) before anything of the run's own runs again (docs/SANDBOX.md, 'Verdicts')."""
+    """Behave like `python -c source`, then exit (docs/SANDBOX.md, 'Verdicts')."""
     exit_code = SystemExit.code.__get__        # the status asked, not what a subclass says
     # Address space set aside (untouched: free), freed on MemoryError to print the traceback.
     reserve = mmap.mmap(-1, 4 << 20)
@@ -234,8 +227,7 @@ def _run_user_code(source: str) -> None:
 
 
 def _zygote_main(config: dict) -> None:
-    """Fork one child per "fork" request, watch it where the kernel does not bound it, report its
-    pid and exit status, SIGKILL its group on "kill"; exit when the pool hangs up."""
+    """Fork a child per "fork", report its pid and exit, SIGKILL it on "kill"; end on hang-up."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C belongs to the owner
     prctl(PR_SET_CHILD_SUBREAPER, 1)   # strays of a run land here and are killed
     prctl(PR_SET_DUMPABLE, 0)          # no run opens our /proc/<pid>/mem, even as our uid
@@ -316,8 +308,7 @@ def _zygote_main(config: dict) -> None:
                         pages = f.read().split()[:2]
                     address_space, rss = (int(n) * os.sysconf("SC_PAGE_SIZE") for n in pages)
                     disk, cpu_limit, over, stopped = request["disk"], request["cpu"], None, False
-                    # fd 3, the failure report: a socket (no open() of /proc/<pid>/fd/3 reaches
-                    # it) of ours, read when the run ends (none in flight: cheap to close).
+                    # fd 3: a socket (no open() of /proc/<pid>/fd/3 reaches it), read at the end.
                     report, theirs = (end.detach() for end in socket.socketpair())
                     looked, watched = time.monotonic(), 0.0
                     if (child := os.fork()) == 0:      # the child: _child never returns
@@ -382,9 +373,8 @@ def _fresh(directory: str, uid: int | None) -> None:
 
 
 def _walk(top: str, remove: bool = False) -> tuple:
-    """(entries, bytes) below `top`, counted up to MAX_FILES entries, without recursion and one
-    descriptor at a time (going up by ".." checked): no depth breaks it. `remove`: remove all below
-    `top` on the way, opening up directories their owner closed (mode 0)."""
+    """(entries, bytes) below `top`, up to MAX_FILES, one descriptor at a time and no recursion: no
+    depth breaks it. `remove`: remove all on the way, opening directories closed (mode 0)."""
     entries = size = 0
 
     def scan(fd: int) -> list:         # count one directory (unlinking its files): its subdirs
