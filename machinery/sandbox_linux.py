@@ -229,14 +229,10 @@ def enter_mount_namespace(workdir: str, disk_mb: float, userns: bool,
 def closed_above(paths: list) -> list:
     """The topmost directories above `paths` other users may not enter (pyenv under /root)."""
     found = set()
-    for path in paths:
-        parts = path.split("/")
-        for i in range(2, len(parts)):
-            above = "/".join(parts[:i])
-            if not os.stat(above).st_mode & stat.S_IXOTH:
-                found.add(above)
-                break
-    return sorted(found)
+    for parts in (path.split("/") for path in paths):
+        aboves = ("/".join(parts[:i]) for i in range(2, len(parts)))
+        found.add(next((a for a in aboves if not os.stat(a).st_mode & stat.S_IXOTH), ""))
+    return sorted(found - {""})
 
 
 def worker_namespace(closed: list, keep: list, hide: bool) -> bool:

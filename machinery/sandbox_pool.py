@@ -320,8 +320,7 @@ class Sandbox:
         try:
             checks = json.loads(probe.stdout)
             failed = [k for k in _expected(self.plan) if checks[k] is not True]
-            # (the owner's other tasks that ended meanwhile leave a run of its uid some more)
-            slack = 64 * (self.plan["nproc"] == "owner")
+            slack = 64 * (self.plan["nproc"] == "owner")    # the owner's tasks that ended meanwhile
             failed += ["tasks"] * ((checks["tasks"] or 0) > MAX_TASKS + slack)
             failed += [f"uid {self.uids[index]}"] * (self.plan["uid"]
                                                      and checks["uid"] != self.uids[index])
@@ -591,9 +590,8 @@ print(json.dumps({{"fork_blocked": refused(os.fork), "inet_blocked": refused(soc
 
 
 def _expected(plan: dict) -> list:
-    return (["fork_blocked", "inet_blocked", "unix_bind_blocked", "host_metadata_blocked",
-             "signals_blocked", "inotify_blocked", "locks_blocked", "stdin_read_only",
-             "not_dumpable", "epilogue_kept", "workdir_writable", "no_new_privs",
-             "capabilities_dropped", "seccomp_filter"]
+    return ("fork_blocked inet_blocked unix_bind_blocked host_metadata_blocked signals_blocked "
+            "inotify_blocked locks_blocked stdin_read_only not_dumpable epilogue_kept "
+            "workdir_writable no_new_privs capabilities_dropped seccomp_filter".split()
             + ["host_dir_blocked", "host_file_blocked"] * bool(plan["landlock"])
             + ["host_read_only"] * bool(plan["mount"]))

@@ -304,8 +304,7 @@ def _zygote_main(config: dict) -> None:
                     return             # the pool hung up: closing, or its owner died
                 request = json.loads(message)
                 if request["op"] == "fork" and child is None and len(fds) == 3:
-                    with open("/proc/self/statm") as f:
-                        pages = f.read().split()[:2]
+                    pages = open("/proc/self/statm").read().split()[:2]
                     address_space, rss = (int(n) * os.sysconf("SC_PAGE_SIZE") for n in pages)
                     disk, cpu_limit, over, stopped = request["disk"], request["cpu"], None, False
                     # fd 3: a socket (no open() of /proc/<pid>/fd/3 reaches it), read at the end.
@@ -358,7 +357,6 @@ def _stat(pid: int) -> list:
 
 
 def cpu_time(pid: int) -> float:
-    """CPU seconds of all of `pid`'s tasks."""
     fields = _stat(pid)
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK") if fields else 0.0
 
@@ -404,7 +402,11 @@ def _walk(top: str, remove: bool = False) -> tuple:
             if todo and (remove or entries <= MAX_FILES):
                 name = todo.pop()
                 try:
-                    child = _open_dir(name, fd)
+                    try:
+                        child = os.open(name, _DIR, dir_fd=fd)
+                    except PermissionError:    # its owner closed it: open it up (root needs not)
+                        os.chmod(name, 0o700, dir_fd=fd)
+                        child = os.open(name, _DIR, dir_fd=fd)
                 except OSError:
                     continue
                 here = os.fstat(fd)
@@ -428,16 +430,7 @@ def _walk(top: str, remove: bool = False) -> tuple:
     return entries, size
 
 
-def _open_dir(name: str, parent: int) -> int:
-    try:
-        return os.open(name, _DIR, dir_fd=parent)
-    except PermissionError:            # its owner closed it: open it up (root needs not)
-        os.chmod(name, 0o700, dir_fd=parent)
-        return os.open(name, _DIR, dir_fd=parent)
-
-
 def remove_tree(path: str) -> None:
-    """Remove directory `path` and everything below it, whatever its depth."""
     _walk(path, remove=True)
     with contextlib.suppress(OSError):
         os.rmdir(path)
