@@ -188,7 +188,6 @@ class Landlock:
             self.rules.append((rights & self.handled & kept, self.fds[-1]))
 
     def install(self) -> None:
-        """Confine this process; the working directory is the current one."""
         ruleset = _syscall(_NR_LANDLOCK_CREATE, ctypes.create_string_buffer(self.attr), self.size,
                            0, what="landlock_create_ruleset")
         cwd = os.open(".", os.O_PATH | os.O_DIRECTORY)
@@ -332,8 +331,7 @@ def pids_cgroup() -> tuple:
     candidates += [(root + paths.get("", "/").rstrip("/"), "v2", "cgroup.subtree_control")
                    for root in ("/sys/fs/cgroup", "/sys/fs/cgroup/unified")]
     why = []
-    for directory, version, probe in filter(lambda c: os.path.isfile(f"{c[0]}/{c[2]}"),
-                                            candidates):
+    for directory, version, probe in filter(lambda c: os.path.isfile(f"{c[0]}/{c[2]}"), candidates):
         if os.statvfs(directory).f_flag & os.ST_RDONLY:
             why.append(f"{directory} is on a read-only mount")
         elif not os.access(directory, os.W_OK):

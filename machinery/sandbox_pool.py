@@ -1,7 +1,6 @@
-"""machinery/sandbox_pool.py: the warm pool behind sandbox.py (docs/SANDBOX.md). One thread per
-worker feeds each run, caps its output and keeps its deadline; _verdict judges from kernel facts.
-grants() and _layers(): what this machine grants of LAYERS, the plan the workers follow; each
-worker's first run (_PROBE) checks the plan from inside. Never imports sandbox.py."""
+"""machinery/sandbox_pool.py: the warm pool behind sandbox.py: a thread per worker feeds each run
+and keeps its deadline; _verdict judges from kernel facts; _layers() plans from what grants() finds,
+and each worker's first run (_PROBE) checks that plan from inside. Never imports sandbox.py."""
 from __future__ import annotations
 
 import atexit

@@ -1,7 +1,6 @@
-"""machinery/sandbox_worker.py: a sandbox worker (`python -I -S sandbox_worker.py --worker CONFIG`;
-no `site`, so no .pth file runs). _zygote_main forks one child per request and watches what the
-kernel does not bound; _child confines the child in the fixed order; _run_user_code runs the code
-like `python -c`, in a guard that reports a failure on fd 3 first. Stdlib and sandbox_linux only."""
+"""machinery/sandbox_worker.py: a pool's worker, run without `site` (no .pth file runs).
+_zygote_main forks a child per request and watches what the kernel does not bound; _child confines
+the child; _run_user_code runs the code like `python -c`, in a guard reporting failures on fd 3."""
 from __future__ import annotations
 
 import ast
@@ -398,8 +397,8 @@ def _walk(top: str, remove: bool = False) -> tuple:
         return 0, 0
     above, todo = [], scan(fd)         # above: (device, inode, subdirs left, name) per level
     try:
-        while True:
-            if todo and (remove or entries <= MAX_FILES):
+        while (deeper := todo and (remove or entries <= MAX_FILES)) or above:
+            if deeper:
                 name = todo.pop()
                 try:
                     try:
@@ -413,7 +412,7 @@ def _walk(top: str, remove: bool = False) -> tuple:
                 above.append((here.st_dev, here.st_ino, todo, name))
                 os.close(fd)
                 fd, todo = child, scan(child)
-            elif above:
+            else:
                 device, inode, todo, name = above.pop()
                 parent = os.open("..", _DIR, dir_fd=fd)
                 os.close(fd)
@@ -423,8 +422,6 @@ def _walk(top: str, remove: bool = False) -> tuple:
                 if remove:
                     with contextlib.suppress(OSError):
                         os.rmdir(name, dir_fd=fd)
-            else:
-                break
     finally:
         os.close(fd)
     return entries, size
@@ -448,7 +445,6 @@ if __name__ == "__main__":     # `python -I -S sandbox_worker.py --worker CONFIG
     _config = json.loads(sys.argv[2])
     sys.path.extend(_config["site"])   # without `site`: its directories, none of its .pth files
     import site                        # under -S importing it runs nothing; exit() and help()
-    site.setquit()
-    site.setcopyright()
-    site.sethelper()
+    for install in (site.setquit, site.setcopyright, site.sethelper):
+        install()
     _zygote_main(_config)
