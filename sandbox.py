@@ -7,17 +7,14 @@ replies (its schema: rollout.TOOLS). evaluate.run_tests grades code with it.
     python sandbox.py 'print(1 + 1)'   python sandbox.py --tool $'x = 6 * 7\nx'
     python sandbox.py --capabilities   python scripts/bench_sandbox.py
 
-The method: a warm pool of `python -I -S` zygotes that pre-imported numpy and sympy, each forking
-one child per run that gets its job and stdio as pipes straight from the pool (no job data enters a
-zygote). The child confines itself: its own session and descriptors, oom_score_adj 1000, [a pids
-cgroup], [a private mount namespace: host read-only, a tmpfs of disk_mb], rlimits, no_new_privs,
-[Landlock], no capabilities [and a uid of its own, never 0], a parent-death signal, seccomp BPF
-(no fork, exec, sockets, ptrace, ...). The [layers] apply where the machine grants them, said in one
-line; by default a pool refuses to start without Landlock (require="floor" starts anyway, "all"
-wants every layer). The pool SIGKILLs a run at its deadline, caps its output, and gives "ok" for
-exit status 0 with no failure reported on fd 3, never for what it printed. machinery/:
-sandbox_pool.py (pool, verdicts), sandbox_worker.py (zygote, child), sandbox_linux.py (kernel
-calls). docs/SANDBOX.md: why each layer, what it guards, what is lost without it.
+The method: a warm pool of `python -I -S` zygotes (numpy and sympy pre-imported), each forking a
+child per run that gets its job and stdio as pipes from the pool. The child confines itself (its
+own session, oom_score_adj, [pids cgroup], [mount namespace], rlimits, no_new_privs, [Landlock], no
+capabilities [and a uid of its own], parent-death signal, seccomp); a [layer] applies where the
+machine grants it, and by default a pool refuses to start without Landlock (require="floor" starts
+anyway). "ok" is exit status 0 with no failure reported on fd 3, never what the run printed.
+machinery/: sandbox_pool.py (pool, verdicts), sandbox_worker.py (zygote, child), sandbox_linux.py
+(kernel calls). docs/SANDBOX.md: why each layer, what it guards, what is lost without it.
 """
 from __future__ import annotations
 
