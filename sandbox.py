@@ -1,9 +1,8 @@
 """sandbox.py: run untrusted, model-written Python fast, and keep it contained.
 
-API: run, run_many, submit (a Future) and capabilities() on a default pool of this rank's share of
-the cores (default_workers()), or the same methods on a `Sandbox`; configure(workers, require) and
-check() for the default pool; prepare_code and format_tool_output: what the code tool runs and
-replies (its schema: rollout.TOOLS). evaluate.run_tests grades code with it.
+API: run, run_many, submit (a Future), capabilities() on a default pool of this rank's share of the
+cores, or on a `Sandbox`; configure() and check() for the default pool; prepare_code and
+format_tool_output: the code tool (rollout.TOOLS). evaluate.run_tests grades code with it.
     python sandbox.py 'print(1 + 1)'   python sandbox.py --tool $'x = 6 * 7\nx'
     python sandbox.py --capabilities   python scripts/bench_sandbox.py
 
@@ -20,13 +19,13 @@ from __future__ import annotations
 
 import argparse
 import ast
-import concurrent.futures
 import json
 import os
 import re
 import signal
 import sys
 import threading
+from concurrent.futures import Future
 
 from machinery.sandbox_pool import Result, Sandbox, default_workers  # noqa: F401 (re-exported)
 
@@ -125,8 +124,7 @@ def run_many(codes, timeout: float = 10.0, memory_mb: int = 1024, stdins=None) -
     return default_sandbox().run_many(codes, timeout, memory_mb, stdins)
 
 
-def submit(code: str, timeout: float = 10.0, memory_mb: int = 1024,
-           stdin: str = "") -> concurrent.futures.Future:
+def submit(code: str, timeout: float = 10.0, memory_mb: int = 1024, stdin: str = "") -> Future:
     return default_sandbox().submit(code, timeout, memory_mb, stdin)
 
 

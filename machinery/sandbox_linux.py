@@ -63,8 +63,7 @@ _DISK = set("open openat openat2 fallocate unlink unlinkat rmdir link linkat ren
 _O_TMPFILE = 0o20000000            # __O_TMPFILE on x86_64 and aarch64
 _AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
 _NR_LANDLOCK_CREATE, _NR_LANDLOCK_ADD_RULE, _NR_LANDLOCK_RESTRICT = 444, 445, 446
-# BPF and seccomp constants (linux/filter.h, linux/seccomp.h), prctl options, Landlock rights.
-_LD, _JEQ, _JGE, _AND, _RET = 0x20, 0x15, 0x35, 0x54, 0x06
+_LD, _JEQ, _JGE, _AND, _RET = 0x20, 0x15, 0x35, 0x54, 0x06   # linux/filter.h, linux/seccomp.h
 _ALLOW, _ERRNO, _KILL_PROCESS = 0x7FFF0000, 0x00050000, 0x80000000
 _CLONE_THREAD, _CLONE_NEW = 0x00010000, 0x7E020080   # NEW{NS,CGROUP,UTS,IPC,USER,PID,NET,TIME}
 _CLONE_NEWNS, _CLONE_NEWUSER = 0x00020000, 0x10000000
@@ -416,7 +415,6 @@ def _try_mount(directory: str, userns: bool) -> dict:
 
 
 def _try_uid(uid: int, paths: list) -> dict:
-    """In a child: become `uid` as a run does and read what a run reads."""
     found = {"why": None, "expose": closed_above(paths), "nproc": False, "hide_proc": False}
     try:
         try:

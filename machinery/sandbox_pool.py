@@ -4,7 +4,6 @@ and each worker's first run (_PROBE) checks that plan from inside. Never imports
 from __future__ import annotations
 
 import atexit
-import concurrent.futures
 import contextlib
 import functools
 import itertools
@@ -22,6 +21,7 @@ import tempfile
 import threading
 import time
 import types
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 from machinery import sandbox_linux
@@ -79,8 +79,7 @@ class _Capture:
 def _verdict(job: dict, exit_info: dict, failure: bytes, base_rss: int, timed_out: bool) -> tuple:
     """Never from what the run printed: "ok" is exit 0 with nothing on fd 3 (`failure`: its end)."""
     code = os.waitstatus_to_exitcode(exit_info["status"])     # -signal when a signal ended it
-    # RLIMIT_CPU's SIGXCPU, then SIGKILL, come only once the CPU time is spent.
-    if timed_out or exit_info["cpu"] >= math.ceil(job["timeout"]) + 0.95:
+    if timed_out or exit_info["cpu"] >= math.ceil(job["timeout"]) + 0.95:   # RLIMIT_CPU spent
         return "timeout", code
     if code == 0 and not failure:
         return "ok", 0
@@ -152,10 +151,9 @@ def required(require: str) -> set:
 def _layers(found: dict) -> tuple:
     """(plan the workers follow, what is in force, {layer: why not} of LAYERS) from grants()."""
     root, user, uid, cgroup = (found[k] for k in ("mount_root", "mount_user", "uid", "cgroup"))
-    # RLIMIT_NPROC counts only a run's tasks under a uid of its own, or in a user namespace.
+    # RLIMIT_NPROC counts a run alone under its own uid or user namespace; else the owner's (not 0).
     nproc_uid = not cgroup and not uid["why"] and uid["nproc"]
     nproc_userns = not cgroup and not nproc_uid and uid["why"] and not user["why"] and user["nproc"]
-    # Else, keeping a uid other than 0: that uid's task count at each run, plus the run's share.
     nproc_owner = not (cgroup or nproc_userns or not uid["why"] or os.geteuid() == 0)
     mount = ("user" if uid["why"] and (nproc_userns or (root["why"] and not user["why"]))
              else None if root["why"] else "root")
@@ -248,8 +246,7 @@ class Sandbox:
                                f"--sandbox_require=floor starts anyway and gives that up: runs "
                                f"then read {lost}")
         print(self.description, file=sys.stderr, flush=True)
-        # No run (nor any process of our uid) opens our /proc/<pid>/mem, environ or fd.
-        prctl(PR_SET_DUMPABLE, 0)
+        prctl(PR_SET_DUMPABLE, 0)   # no run (nor our uid) opens our /proc/<pid>/mem, environ, fd
         self.root = tempfile.mkdtemp(prefix="sandbox-")      # its mode: _spawn
         self._queue, self._lock = queue.SimpleQueue(), threading.Lock()   # queue: (job, future)
         self._ready = threading.Event()            # set: a probe passed, or the pool failed
@@ -270,8 +267,7 @@ class Sandbox:
             while not (self._closed or self._broken):
                 worker = self._workers[index]
                 if worker is None or worker.dead or worker.proc.poll() is not None:
-                    started = self._start_worker(index)
-                    failures[index] = 0 if started else failures[index] + 1
+                    failures[index] = 0 if self._start_worker(index) else failures[index] + 1
                     if failures[index] >= 3:   # it may pass (memory, processes): wait, try again
                         self._fail("sandbox: workers keep dying at start-up", lasting=False)
                         self._stop.wait(min(30.0, 2.0 ** (failures[index] - 3)))
@@ -445,9 +441,8 @@ class Sandbox:
                     with contextlib.suppress(OSError):
                         worker.sock.send(json.dumps({"op": "kill", "pid": pid}).encode())
         finally:
-            for fd in [feed, out_r, err_r]:
-                if fd is not None:
-                    os.close(fd)
+            for fd in [out_r, err_r] + [feed] * (feed is not None):
+                os.close(fd)
 
     def _drain(self) -> list:
         futures = []
@@ -459,10 +454,9 @@ class Sandbox:
     def _fail(self, message: str, lasting: bool = True) -> bool:
         """Fail the queued jobs; a passing failure only once every slot failed 3 times running."""
         with self._lock:
-            if not lasting:
-                serving = any(w and w.ready and not w.dead for w in self._workers)
-                if min(self._failures) < 3 or serving:
-                    return False
+            if not lasting and (min(self._failures) < 3
+                                or any(w and w.ready and not w.dead for w in self._workers)):
+                return False
             self._broken = self._broken or (message if lasting else None)
             self._trouble = self._trouble or message
         self._ready.set()
@@ -473,10 +467,9 @@ class Sandbox:
 
     def submit(self, code: str, timeout: float = 10.0, memory_mb: int = 1024, stdin: str = "",
                output_limit: int = DEFAULT_OUTPUT_LIMIT,
-               disk_mb: float = DEFAULT_DISK_MB) -> concurrent.futures.Future:
-        """Queue one run; the Future resolves to its Result."""
+               disk_mb: float = DEFAULT_DISK_MB) -> Future:
         job = _job(code, timeout, memory_mb, stdin, output_limit, disk_mb)
-        future = concurrent.futures.Future()
+        future = Future()
         with self._lock:
             if self._closed or self._broken:
                 raise RuntimeError(self._broken or "sandbox is closed")
@@ -550,7 +543,6 @@ class Sandbox:
         self.close()
 
 
-# Every worker's first run: confinement measured from inside; _expected: what must hold.
 _PROBE = r'''import ctypes, fcntl, json, os, resource, socket, threading
 libc, caps = ctypes.CDLL(None), (ctypes.c_uint32 * 6)()
 libc.capget((ctypes.c_uint32 * 2)(0x20080522, 0), caps)

@@ -45,8 +45,7 @@ PREIMPORT = ("numpy", "numpy.random", "sympy")   # imported once per worker, if 
 # Cheap stdlib modules model code (and the graders' prelude) use all the time.
 WARM_STDLIB = ("math cmath fractions decimal itertools functools collections heapq bisect random "
                "statistics string re json typing datetime copy operator dataclasses enum").split()
-# Lazily loaded submodules (sympy's printers and solvers, numpy's linalg), loaded once here.
-WARMUP = {
+WARMUP = {   # lazily loaded submodules (sympy's printers and solvers, numpy's linalg), loaded here
     "numpy": "import numpy as np\n"
              "np.linalg.det(np.eye(3)); np.linalg.solve(np.eye(2), np.ones(2))\n"
              "str(np.arange(3)); np.random.default_rng(0).random(2)",
@@ -81,8 +80,7 @@ def _child(zygote: dict, fds: list, address_space: int, cpu: int, disk: int) -> 
         keep = sorted(zygote["landlock"].fds if zygote["landlock"] else [])
         for low, high in zip([3] + keep, keep + [1 << 16]):   # close all but those
             os.closerange(low + 1, high)
-        # stdin starts with the job: its length in 12 digits, then its JSON
-        job = json.loads(_read_exactly(0, int(_read_exactly(0, 12))))
+        job = json.loads(_read_exactly(0, int(_read_exactly(0, 12))))   # length in 12 digits, JSON
         step = "oom score"
         set_oom_score()
         step = "mount namespace"
@@ -92,9 +90,8 @@ def _child(zygote: dict, fds: list, address_space: int, cpu: int, disk: int) -> 
             os.chdir(zygote["dir"])
         step = "rlimits"
         memory = address_space + job["memory_mb"] * 2 ** 20   # on top of the warm interpreter
-        # NPROC counts this run alone (its uid's, its user namespace's), or the owner's uid.
+        # NPROC: this run alone, or the owner's uid; CPU: SIGXCPU at soft, SIGKILL a second later.
         nproc = MAX_TASKS + (_tasks_of(os.getuid()) - 1 if plan["nproc"] == "owner" else 0)
-        # The CPU limit sends SIGXCPU at the soft one, SIGKILL a second later at the hard one.
         limits = [("AS", memory, memory), ("CPU", cpu, cpu + 1), ("FSIZE", disk, disk),
                   ("NOFILE", MAX_OPEN_FILES, MAX_OPEN_FILES), ("CORE", 0, 0), ("MSGQUEUE", 0, 0),
                   ("SIGPENDING", MAX_SIGNALS, MAX_SIGNALS)]
@@ -127,8 +124,8 @@ def _child(zygote: dict, fds: list, address_space: int, cpu: int, disk: int) -> 
 
 # The guard: its handlers step a reporter (`[] = it`): nothing runs before the report on fd 3.
 _MARKS = [f"guard {os.urandom(8).hex()}: {name}" for name in ("SystemExit", "exit", "crash")]
-_GUARD = ast.parse("try:\n    pass\nexcept '{}':\n    [] = '{}'\n    raise\nexcept:\n    [] = '{}'\n"
-                   "    raise\n".format(*_MARKS)).body[0]
+_GUARD = ast.parse("try:\n    pass\nexcept '{}':\n    [] = '{}'\n    raise\nexcept:\n"
+                   "    [] = '{}'\n    raise\n".format(*_MARKS)).body[0]
 for _node in ast.walk(_GUARD):
     if "lineno" in _node._attributes:
         _node.lineno = _node.end_lineno = _node.col_offset = _node.end_col_offset = -1
@@ -169,8 +166,7 @@ def _tasks_of(uid: int) -> int:
 def _run_user_code(source: str) -> None:
     """Behave like `python -c source`, then exit (docs/SANDBOX.md, 'Verdicts')."""
     exit_code = SystemExit.code.__get__        # the status asked, not what a subclass says
-    # Address space set aside (untouched: free), freed on MemoryError to print the traceback.
-    reserve = mmap.mmap(-1, 4 << 20)
+    reserve = mmap.mmap(-1, 4 << 20)   # untouched (free); freed on MemoryError for the traceback
     sys.argv, sys.dont_write_bytecode = ["-c"], True
     sys.path.insert(0, "")
     _KEEP_ALIVE.append((sys.modules.get("__main__"), sys.stdin, sys.stdout, sys.stderr))
@@ -237,8 +233,7 @@ def _zygote_main(config: dict) -> None:
                                        plan["hide_proc"])
     if not plan["mount"]:
         _fresh(directory, uid)
-    # Children are born in this pids cgroup: moving each run in would wait out an RCU grace period.
-    if config["cgroup"]:
+    if config["cgroup"]:   # children born here: moving each run in waits out an RCU grace period
         with open(config["cgroup"] + "/cgroup.procs", "w") as f:
             f.write(str(os.getpid()))
     for name in WARM_STDLIB + config["preimport"]:
@@ -252,8 +247,7 @@ def _zygote_main(config: dict) -> None:
               "landlock": plan["landlock"] and Landlock(plan["landlock"], readable_paths())}
     gc.collect()
     gc.freeze()                        # children then do not dirty these pages with GC bits
-    # A child's end (SIGCHLD) wakes the select below through this pipe; no pidfd needed.
-    wake, woken = os.pipe()
+    wake, woken = os.pipe()   # SIGCHLD wakes the select below through this pipe (no pidfd needed)
     os.set_blocking(woken, False)
     signal.set_wakeup_fd(woken)
     signal.signal(signal.SIGCHLD, lambda *_: None)
@@ -293,8 +287,7 @@ def _zygote_main(config: dict) -> None:
             elif watching and time.monotonic() >= looked + WATCH:
                 looked, began = time.monotonic(), time.thread_time()
                 over = _overdrawn(child, directory, disk, plan["watch"])
-                watched += time.thread_time() - began
-                # The looking is the run's: with its own CPU time, within its CPU limit.
+                watched += time.thread_time() - began   # the looking is the run's CPU time
                 if over or cpu_time(child) + watched >= cpu_limit:
                     stopped = _kill_group(child) or True
             if sock in ready:
@@ -327,15 +320,13 @@ def _zygote_main(config: dict) -> None:
                 open(parent + "/cgroup.procs", "w").write(str(os.getpid()))
         if not plan["mount"]:
             _walk(directory, remove=True)
-        # The pool's root too, if it is the last one there (its owner died).
-        for path in (config["cgroup"], directory, os.path.dirname(directory)):
+        for path in (config["cgroup"], directory, os.path.dirname(directory)):   # root if last
             with contextlib.suppress(OSError, TypeError):
                 os.rmdir(path)
         os._exit(0)
 
 
 def _overdrawn(pid: int, directory: str, disk: int, watch: list) -> str | None:
-    """What a run went over of what the kernel does not bound for it, if anything."""
     if "tasks" in watch and (fields := _stat(pid)) and int(fields[17]) > MAX_TASKS:  # num_threads
         return f"{fields[17]} tasks, over its {MAX_TASKS}"
     return _too_much(*_walk(directory), disk) if "disk" in watch else None
