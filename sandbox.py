@@ -56,8 +56,7 @@ def prepare_code(code: str) -> str:
 
 
 def format_tool_output(result: Result, max_chars: int = 256) -> str:
-    """stdout, stderr, then why the run stopped if it did not end by itself, cut to `max_chars` by
-    keeping head and tail; the status line stays whole, so the model always learns of a timeout."""
+    """stdout, stderr, why the run stopped; cut to `max_chars` (head, tail), status line whole."""
     text, rc = result.stdout or "", result.returncode
     if result.stderr:
         text += ("\n" if text and not text.endswith("\n") else "") + result.stderr

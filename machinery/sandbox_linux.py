@@ -201,8 +201,7 @@ class Landlock:
 
 def enter_mount_namespace(workdir: str, disk_mb: float, userns: bool,
                           owner: int | None = None) -> None:
-    """Every mount read-only, nosuid and private (a shared "/" would propagate our tmpfs), then a
-    tmpfs on `workdir`; `userns`: in a user namespace of our own (ids mapped to themselves)."""
+    """Mounts read-only, nosuid, private (else our tmpfs reaches the host); a tmpfs on `workdir`."""
     if userns:
         uid, gid = os.geteuid(), os.getegid()
         _check(_libc.unshare(_CLONE_NEWUSER | _CLONE_NEWNS), "unshare(CLONE_NEWUSER|CLONE_NEWNS)")
@@ -234,8 +233,7 @@ def closed_above(paths: list) -> list:
 
 
 def worker_namespace(closed: list, keep: list, hide: bool) -> bool:
-    """`keep` paths bind-mounted back on a tmpfs over each `closed` directory; `hide`: a /proc with
-    hidepid, if the kernel allows (docs/SANDBOX.md, 'A run is another user')."""
+    """A tmpfs over each `closed` directory, `keep` paths bound back; `hide`: hidepid /proc (if)."""
     _check(_libc.unshare(_CLONE_NEWNS), "unshare(CLONE_NEWNS)")
     _check(_libc.mount(None, b"/", None, _MS_REC | _MS_PRIVATE, None), "mount(MS_PRIVATE)")
     umask = os.umask(0o022)

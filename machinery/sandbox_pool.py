@@ -430,8 +430,7 @@ class Sandbox:
                 if now >= deadline and (pid is None or stopped):
                     worker.proc.kill()         # late to fork, or to end once killed: hung
                     deadline = now + 1.0
-                elif now >= deadline:
-                    # CPU waits of its main thread do not count, while it used under its timeout.
+                elif now >= deadline:   # main-thread CPU waits don't count while under its timeout
                     waited = _waited(pid) * (cpu_time(pid) < job["timeout"])
                     moved = start + min(BACKSTOP, 1 + waited / job["timeout"]) * job["timeout"]
                     if moved > now + 0.005:

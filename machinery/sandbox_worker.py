@@ -361,8 +361,7 @@ def _fresh(directory: str, uid: int | None) -> None:
 
 
 def _walk(top: str, remove: bool = False) -> tuple:
-    """(entries, bytes) below `top`, up to MAX_FILES, one descriptor at a time and no recursion: no
-    depth breaks it. `remove`: remove all on the way, opening directories closed (mode 0)."""
+    """(entries, bytes) below `top` (to MAX_FILES), without recursion, one fd at a time."""
     entries = size = 0
 
     def scan(fd: int) -> list:         # count one directory (unlinking its files): its subdirs
