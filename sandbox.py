@@ -11,9 +11,8 @@ child per run that gets its job and stdio as pipes from the pool. The child conf
 own session, oom_score_adj, [pids cgroup], [mount namespace], rlimits, no_new_privs, [Landlock], no
 capabilities [and a uid of its own], parent-death signal, seccomp); a [layer] applies where the
 machine grants it, and by default a pool refuses to start without Landlock (require="floor" starts
-anyway). "ok" is exit status 0 with no failure reported on fd 3, never what the run printed.
-machinery/: sandbox_pool.py (pool, verdicts), sandbox_worker.py (zygote, child), sandbox_linux.py
-(kernel calls). docs/SANDBOX.md: why each layer, what it guards, what is lost without it.
+anyway). "ok" is exit status 0 with no failure reported on fd 3, never what the run printed. The
+pool, zygote and kernel calls: machinery/sandbox_*.py; why each layer: docs/SANDBOX.md.
 """
 from __future__ import annotations
 

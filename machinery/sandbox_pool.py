@@ -83,9 +83,8 @@ def _verdict(job: dict, exit_info: dict, failure: bytes, base_rss: int, timed_ou
         return "timeout", code
     if code == 0 and not failure:
         return "ok", 0
-    # A failing run that filled its memory failed for want of it (3.11 may say SystemError).
     near_limit = exit_info["maxrss"] * 1024 - base_rss >= 0.9 * job["memory_mb"] * 2 ** 20
-    if failure == b"M" or near_limit:
+    if failure == b"M" or near_limit:   # filled memory: failed for want of it, however shown
         return "memory", code
     return ("killed" if code < 0 else "error"), code
 
@@ -212,7 +211,7 @@ def default_workers() -> int:
     return max(1, available_cores() // ranks)
 
 
-class Sandbox:
+class Sandbox(contextlib.AbstractContextManager):
     """Thread-safe; one per process. Futures resolve on pool threads: callbacks must not block."""
 
     def __init__(self, workers: int | None = None, preimport=PREIMPORT, require: str = "default"):
@@ -534,9 +533,6 @@ class Sandbox:
             self._retire(worker)
         remove_tree(self.root)
         atexit.unregister(self.close)
-
-    def __enter__(self):
-        return self
 
     def __exit__(self, *exc):
         self.close()

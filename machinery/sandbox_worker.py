@@ -314,10 +314,8 @@ def _zygote_main(config: dict) -> None:
         if child:
             _kill_group(child)
             os.waitpid(child, 0)
-        if config["cgroup"]:
-            parent = os.path.dirname(config["cgroup"])
-            with contextlib.suppress(OSError):     # out of our cgroup, so that it can go
-                open(parent + "/cgroup.procs", "w").write(str(os.getpid()))
+        with contextlib.suppress(OSError, TypeError):  # out of our cgroup (if any), so it can go
+            open(os.path.dirname(config["cgroup"]) + "/cgroup.procs", "w").write(str(os.getpid()))
         if not plan["mount"]:
             _walk(directory, remove=True)
         for path in (config["cgroup"], directory, os.path.dirname(directory)):   # root if last
