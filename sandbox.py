@@ -1,60 +1,40 @@
 """sandbox.py: run untrusted, model-written Python fast, and keep it contained.
 
-API: run, run_many, submit (a Future) and capabilities() on a default pool of this rank's share
-of the cores (default_workers()), or the same methods on a `Sandbox`; configure(workers, require)
-and check() for the default pool; what the code tool runs and replies (prepare_code,
-format_tool_output; its schema and registration: rollout.TOOLS). evaluate.run_tests grades code
-with it.
+API: run, run_many, submit (a Future), capabilities() on a default pool of this rank's share of the
+cores, or on a `Sandbox`; configure() and check() for the default pool; prepare_code and
+format_tool_output: the code tool (rollout.TOOLS). evaluate.run_tests grades code with it.
     python sandbox.py 'print(1 + 1)'   python sandbox.py --tool $'x = 6 * 7\nx'
     python sandbox.py --capabilities   python scripts/bench_sandbox.py
 
-The method. A warm pool: each worker is a `python -I -S` zygote that pre-imported numpy and
-sympy and only forks one child per run on request. The child gets its job and stdin, stdout and
-stderr as pipes straight from the pool (which does all I/O, deadlines and verdicts), confines
-itself, then exec()s the code: no job data ever enters the zygote that later children copy.
-The child confines itself in this order: its own session, stdin a read-only pipe, no other
-descriptor; oom_score_adj 1000; [a pids cgroup of MAX_TASKS]; [a private mount namespace, the
-host read-only, a tmpfs of disk_mb as working directory]; rlimits; no_new_privs, [Landlock];
-no capabilities [and a uid of its own per worker, never 0], a parent-death signal; seccomp BPF
-(no fork, exec, sockets, ptrace, mounts, inotify, locks, ...). The floor runs anywhere; the
-[layers] where the machine grants them, decided once at start-up and said in one line. By
-default a pool starts only where Landlock keeps a run to its own directory and the Python
-installation (else it refuses, saying why; require="floor" starts anyway, "all" wants every
-layer). The pool SIGKILLs a run's process group at its deadline (the timeout, plus what its main
-thread waited for a CPU while it used less CPU than that, up to a backstop), caps stdout and
-stderr, and gives "ok" for exit status 0 with no failure reported on the run's fd 3 (by a guard
-around the code, before anything of the run's own can run again), never for what it printed.
-
-This file is the front; machinery/ holds sandbox_pool.py (the pool `Sandbox`, its verdicts),
-sandbox_worker.py (the zygote and the child) and sandbox_linux.py (the kernel calls, what this
-machine grants). docs/SANDBOX.md: why each layer, what it guards, what is lost without it.
+The method: a warm pool of `python -I -S` zygotes (numpy and sympy pre-imported), each forking a
+child per run that gets its job and stdio as pipes from the pool. The child confines itself (its
+own session, oom_score_adj, [pids cgroup], [mount namespace], rlimits, no_new_privs, [Landlock], no
+capabilities [and a uid of its own], parent-death signal, seccomp); a [layer] applies where the
+machine grants it, and by default a pool refuses to start without Landlock (require="floor" starts
+anyway). "ok" is exit status 0 with no failure reported on fd 3, never what the run printed. The
+pool, zygote and kernel calls: machinery/sandbox_*.py; why each layer: docs/SANDBOX.md.
 """
 from __future__ import annotations
 
 import argparse
 import ast
-import concurrent.futures
 import json
 import os
 import re
 import signal
 import sys
 import threading
+from concurrent.futures import Future
 
-# Result, Sandbox and default_workers are part of this module's API; they live with the pool.
 from machinery.sandbox_pool import Result, Sandbox, default_workers  # noqa: F401 (re-exported)
 
-# ---------------------------------------------------------------- the code-interpreter tool
-
 _FENCE_OPEN = re.compile(r"```[ \t]*(?:python3?|py)\b[^\n]*\n", re.IGNORECASE)
-# One expression around the final bare expression: prints its repr (nothing for None) like
-# the REPL, and every line number of a traceback stays where it was.
+# Wraps the final bare expression: prints its repr (not None) like the REPL; line numbers stay.
 _SHOW = (b"(lambda __value: None if __value is None else print(repr(__value)))((", b"))")
 
 
 def prepare_code(code: str) -> str:
-    """The code the tool runs: the first ```python fenced block if there is one, with the
-    value of a final bare expression printed (decided with `ast`, never by string tests)."""
+    """The first ```python fenced block if any; a final bare expression's value printed (`ast`)."""
     if match := _FENCE_OPEN.search(code):
         end = code.find("```", match.end())
         code = code[match.end():] if end < 0 else code[match.end():end]
@@ -75,9 +55,7 @@ def prepare_code(code: str) -> str:
 
 
 def format_tool_output(result: Result, max_chars: int = 256) -> str:
-    """The tool's reply: stdout then stderr, then a line saying why the run stopped when it
-    did not end by itself, cut to `max_chars` by keeping head and tail. The status line is
-    kept whole, so the model always learns about a timeout."""
+    """stdout, stderr, why the run stopped; cut to `max_chars` (head, tail), status line whole."""
     text, rc = result.stdout or "", result.returncode
     if result.stderr:
         text += ("\n" if text and not text.endswith("\n") else "") + result.stderr
@@ -91,24 +69,19 @@ def format_tool_output(result: Result, max_chars: int = 256) -> str:
     budget = max_chars - len(note)
     if budget <= 0:
         return note[:max_chars]
+    room = budget - len("\n...\n")
     if len(text) > budget:
-        room = budget - len("\n...\n")
-        if room <= 0:
-            text = text[:budget]
-        else:
-            text = text[:(room + 1) // 2] + "\n...\n" + text[len(text) - room // 2:]
+        text = text[:budget] if room <= 0 else (text[:(room + 1) // 2] + "\n...\n"
+                                                + text[len(text) - room // 2:])
     return text + note
 
-
-# ---------------------------------------------------------------- module-level API
 
 _default, _default_lock = None, threading.Lock()
 _options = {"workers": None, "require": "default"}
 
 
 def configure(workers: int | None = None, require: str = "default") -> None:
-    """The default pool's options (rl.py and evaluate.py: --sandbox_workers, --sandbox_require),
-    before it starts; workers=None: default_workers(); require: see Sandbox."""
+    """The default pool's options before it starts (--sandbox_workers, --sandbox_require)."""
     with _default_lock:
         started = _default is not None and not _default._closed
         if started and _options != {"workers": workers, "require": require}:
@@ -129,8 +102,7 @@ def default_sandbox() -> Sandbox:
 
 
 def check(timeout: float = 120.0) -> str:
-    """Start the default pool and wait for its first worker's probe: the line of layers in force,
-    or RuntimeError with the pool's own message (call once per rank, before any rollout)."""
+    """Start the default pool; the line of layers in force, or RuntimeError (once per rank)."""
     return default_sandbox().wait_ready(timeout)
 
 
@@ -150,16 +122,13 @@ def run_many(codes, timeout: float = 10.0, memory_mb: int = 1024, stdins=None) -
     return default_sandbox().run_many(codes, timeout, memory_mb, stdins)
 
 
-def submit(code: str, timeout: float = 10.0, memory_mb: int = 1024,
-           stdin: str = "") -> concurrent.futures.Future:
+def submit(code: str, timeout: float = 10.0, memory_mb: int = 1024, stdin: str = "") -> Future:
     return default_sandbox().submit(code, timeout, memory_mb, stdin)
 
 
 def capabilities() -> dict:
     return default_sandbox().capabilities()
 
-
-# ---------------------------------------------------------------- command line
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description="Run Python code in the sandbox.")

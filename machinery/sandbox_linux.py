@@ -1,8 +1,6 @@
-"""machinery/sandbox_linux.py: the Linux calls a sandbox run locks itself down with, via ctypes
-(stdlib only): seccomp BPF assembled here, Landlock, a private mount namespace (host read-only, a
-tmpfs quota; through a user namespace when not root), a uid of the run's own, no capabilities, a
-pids cgroup. detect() finds out once, in a fresh process, which layers beyond the floor this machine
-grants, and who refused the others. sandbox_worker._child applies them in sandbox.py's order."""
+"""machinery/sandbox_linux.py: the Linux calls a run locks itself down with, via ctypes (seccomp
+BPF, Landlock, mount and user namespaces, uids, capabilities, pids cgroups); detect(): which
+optional layers this machine grants, and who refused the others."""
 import contextlib
 import ctypes
 import errno
@@ -25,44 +23,38 @@ EPILOGUE_FD = 3                    # a run's socket for how it failed; closing, 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
 ARCH = platform.machine()
-# Syscall numbers from the kernel's unistd headers: name, x86_64, aarch64 ("-": none there).
-# Runs get EPERM for every one, but those seccomp_filter gives a rule of their own.
+# unistd.h numbers: name, x86_64, aarch64 ("-": none). EPERM for each, but those with a rule.
 _TABLE = """fork 57 - vfork 58 - clone 56 220 clone3 435 435 execve 59 221 execveat 322 281
 kill 62 129 tkill 200 130 tgkill 234 131 rt_sigqueueinfo 129 138 rt_tgsigqueueinfo 297 240
-socket 41 198 socketpair 53 199 shutdown 48 210 connect 42 203 bind 49 200 listen 50 201 ptrace 101 117
-process_vm_readv 310 270 process_vm_writev 311 271 mount 165 40 umount2 166 39 unshare 272 97
-setns 308 268 bpf 321 280 pivot_root 155 41 chroot 161 51 kexec_load 246 104
+socket 41 198 socketpair 53 199 shutdown 48 210 connect 42 203 bind 49 200 listen 50 201
+ptrace 101 117 process_vm_readv 310 270 process_vm_writev 311 271 mount 165 40 umount2 166 39
+unshare 272 97 setns 308 268 bpf 321 280 pivot_root 155 41 chroot 161 51 kexec_load 246 104
 kexec_file_load 320 294 init_module 175 105 finit_module 313 273 delete_module 176 106
 perf_event_open 298 241 userfaultfd 323 282 keyctl 250 219 add_key 248 217 request_key 249 218
-open_tree 428 428 move_mount 429 429 fsopen 430 430 fsconfig 431 431 fsmount 432 432
-fspick 433 433 mount_setattr 442 442 pidfd_open 434 434 pidfd_send_signal 424 424
-pidfd_getfd 438 438 kcmp 312 272 name_to_handle_at 303 264 open_by_handle_at 304 265
-memfd_create 319 279 memfd_secret 447 447 swapon 167 224 swapoff 168 225 reboot 169 142
-sethostname 170 161 setdomainname 171 162 iopl 172 - ioperm 173 - acct 163 89 quotactl 179 60
-quotactl_fd 443 443 syslog 103 116 lookup_dcookie 212 18 vhangup 153 58 uselib 134 -
-settimeofday 164 170 clock_settime 227 112 clock_adjtime 305 266 adjtimex 159 171
-migrate_pages 256 238 move_pages 279 239 process_madvise 440 440 process_mrelease 448 448
-io_uring_setup 425 425 io_uring_enter 426 426 io_uring_register 427 427 prlimit64 302 261
-setpriority 141 140 ioprio_set 251 30 sched_setaffinity 203 122 sched_setscheduler 144 119
-sched_setparam 142 118 sched_setattr 314 274 nfsservctl 180 42 fanotify_init 300 262
-prctl 157 167 seccomp 317 277 shmget 29 194 shmat 30 196 shmctl 31 195 shmdt 67 197
-semget 64 190 semop 65 193 semctl 66 191 semtimedop 220 192 msgget 68 186 msgsnd 69 189
+open_tree 428 428 move_mount 429 429 fsopen 430 430 fsconfig 431 431 fsmount 432 432 fspick 433 433
+mount_setattr 442 442 pidfd_open 434 434 pidfd_send_signal 424 424 pidfd_getfd 438 438 kcmp 312 272
+name_to_handle_at 303 264 open_by_handle_at 304 265 memfd_create 319 279 memfd_secret 447 447
+swapon 167 224 swapoff 168 225 reboot 169 142 sethostname 170 161 setdomainname 171 162 iopl 172 -
+ioperm 173 - acct 163 89 quotactl 179 60 quotactl_fd 443 443 syslog 103 116 lookup_dcookie 212 18
+vhangup 153 58 uselib 134 - settimeofday 164 170 clock_settime 227 112 clock_adjtime 305 266
+adjtimex 159 171 migrate_pages 256 238 move_pages 279 239 process_madvise 440 440
+process_mrelease 448 448 io_uring_setup 425 425 io_uring_enter 426 426 io_uring_register 427 427
+prlimit64 302 261 setpriority 141 140 ioprio_set 251 30 sched_setaffinity 203 122
+sched_setscheduler 144 119 sched_setparam 142 118 sched_setattr 314 274 nfsservctl 180 42
+fanotify_init 300 262 prctl 157 167 seccomp 317 277 shmget 29 194 shmat 30 196 shmctl 31 195
+shmdt 67 197 semget 64 190 semop 65 193 semctl 66 191 semtimedop 220 192 msgget 68 186 msgsnd 69 189
 msgrcv 70 188 msgctl 71 187 mq_open 240 180 mq_unlink 241 181 mq_timedsend 242 182
 mq_timedreceive 243 183 mq_notify 244 184 mq_getsetattr 245 185 inotify_init 253 -
-inotify_init1 294 26 inotify_add_watch 254 27 flock 73 32 fcntl 72 25 ioctl 16 29
-close 3 57 dup2 33 - dup3 292 24 close_range 436 436 open 2 - openat 257 56 openat2 437 437
-fallocate 285 47 chmod 90 - fchmod 91 52 fchmodat 268 53 fchmodat2 452 452 chown 92 - fchown 93 55
-lchown 94 - fchownat 260 54 utime 132 - utimes 235 - futimesat 261 - utimensat 280 88
-setxattr 188 5 lsetxattr 189 6 fsetxattr 190 7 removexattr 197 14 lremovexattr 198 15
-fremovexattr 199 16 setxattrat 463 463 removexattrat 466 466 truncate 76 45 unlink 87 -
-unlinkat 263 35 rmdir 84 - link 86 - linkat 265 37 rename 82 - renameat 264 38
-renameat2 316 276""".split()
+inotify_init1 294 26 inotify_add_watch 254 27 flock 73 32 fcntl 72 25 ioctl 16 29 close 3 57
+dup2 33 - dup3 292 24 close_range 436 436 open 2 - openat 257 56 openat2 437 437 fallocate 285 47
+chmod 90 - fchmod 91 52 fchmodat 268 53 fchmodat2 452 452 chown 92 - fchown 93 55 lchown 94 -
+fchownat 260 54 utime 132 - utimes 235 - futimesat 261 - utimensat 280 88 setxattr 188 5
+lsetxattr 189 6 fsetxattr 190 7 removexattr 197 14 lremovexattr 198 15 fremovexattr 199 16
+setxattrat 463 463 removexattrat 466 466 truncate 76 45 unlink 87 - unlinkat 263 35 rmdir 84 -
+link 86 - linkat 265 37 rename 82 - renameat 264 38 renameat2 316 276""".split()
 _SYSCALLS = {arch: {name: int(nr) for name, nr in zip(_TABLE[::3], _TABLE[column::3])
                     if nr != "-"} for column, arch in ((1, "x86_64"), (2, "aarch64"))}
-# What the read-only mounts and the tmpfs quota stop (a run's uid may own host files: root owns
-# /usr), refused by seccomp where there is no mount namespace, in the working directory too: file
-# metadata, and disk the worker's count of the directory would not see (O_TMPFILE files, fallocate
-# past the end, files unlinked but kept open or mapped, hard links and renames out of it).
+# Refused without a mount namespace: host file metadata, uncounted disk (docs/SANDBOX.md, layer 8).
 METADATA = set("""chmod fchmod fchmodat fchmodat2 chown fchown lchown fchownat utime utimes
 futimesat utimensat setxattr lsetxattr fsetxattr removexattr lremovexattr fremovexattr
 setxattrat removexattrat truncate""".split())
@@ -71,23 +63,19 @@ _DISK = set("open openat openat2 fallocate unlink unlinkat rmdir link linkat ren
 _O_TMPFILE = 0o20000000            # __O_TMPFILE on x86_64 and aarch64
 _AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
 _NR_LANDLOCK_CREATE, _NR_LANDLOCK_ADD_RULE, _NR_LANDLOCK_RESTRICT = 444, 445, 446
-# BPF and seccomp constants (linux/filter.h, linux/seccomp.h), prctl options, Landlock rights.
-_LD, _JEQ, _JGE, _AND, _RET = 0x20, 0x15, 0x35, 0x54, 0x06
+_LD, _JEQ, _JGE, _AND, _RET = 0x20, 0x15, 0x35, 0x54, 0x06   # linux/filter.h, linux/seccomp.h
 _ALLOW, _ERRNO, _KILL_PROCESS = 0x7FFF0000, 0x00050000, 0x80000000
 _CLONE_THREAD, _CLONE_NEW = 0x00010000, 0x7E020080   # NEW{NS,CGROUP,UTS,IPC,USER,PID,NET,TIME}
 _CLONE_NEWNS, _CLONE_NEWUSER = 0x00020000, 0x10000000
 _MS_BIND, _MS_REC, _MS_PRIVATE = 0x1000, 0x4000, 0x40000
 _OWN, _GROUP = "own", "group"      # the run's pid and -pid, filled in by each child
-# fcntl: record and OFD locks, leases (on a readable host file they hold up the host's own opens
-# and locks), F_NOTIFY (dnotify on host directories), F_SETOWN/F_SETSIG (signals to any process of
-# the uid), F_SETPIPE_SZ (pipe pages count against a quota the uid shares with the host).
+# fcntl: locks, leases, F_NOTIFY, F_SETOWN/F_SETSIG, F_SETPIPE_SZ (docs/SANDBOX.md, layer 8).
 _FCNTL_REFUSED = (6, 7, 8, 10, 15, 37, 38, 1024, 1026, 1031)
-# FIOSETOWN, SIOCSPGRP (the same owner as F_SETOWN); FS_IOC_SETFLAGS (64- and 32-bit) and
-# FS_IOC_FSSETXATTR: inode flags (chattr) on files the run's uid owns.
+# FIOSETOWN, SIOCSPGRP (as F_SETOWN); FS_IOC_SETFLAGS (64-, 32-bit), FS_IOC_FSSETXATTR (chattr).
 _IOCTL_REFUSED = (0x8901, 0x8902, 0x40086602, 0x40046602, 0x401C5820)
 PR_SET_PDEATHSIG, PR_SET_DUMPABLE, _PR_CAPBSET_DROP, _PR_SET_SECCOMP = 1, 4, 24, 22
 _PR_SET_SECUREBITS, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS, _PR_CAP_AMBIENT = 28, 36, 38, 47
-_CAP_SETGID, _CAP_SETUID, _CAP_SETPCAP, _CAP_SYS_ADMIN = 6, 7, 8, 21
+_CAP_SETUID, _CAP_SETPCAP, _CAP_SYS_ADMIN = 7, 8, 21
 _LL_EXECUTE, _LL_WRITE, _LL_READ, _LL_READ_DIR, _LL_MAKE_CHAR = 1, 2, 4, 8, 64
 _LL_MAKE_BLOCK, _LL_REFER, _LL_TRUNCATE, _LL_IOCTL_DEV = 2048, 8192, 16384, 32768   # ABI 2, 3, 5
 
@@ -110,8 +98,7 @@ def prctl(option: int, a2: int = 0, a3: int = 0) -> int:
 
 
 def seccomp_filter(no_mount: bool) -> list:
-    """The filter as (code, jt, jf, k) tuples; k may be _OWN or _GROUP, set per child. `no_mount`:
-    refuse METADATA and _DISK growth too (no read-only mounts or tmpfs to stop them)."""
+    """(code, jt, jf, k) tuples, k maybe _OWN or _GROUP; `no_mount`: refuse METADATA, _DISK too."""
     deny, allow = (_RET, 0, 0, _ERRNO | errno.EPERM), (_RET, 0, 0, _ALLOW)
     unsupported = (_RET, 0, 0, _ERRNO | errno.EOPNOTSUPP)
     prog = [(_LD, 0, 0, 4), (_JEQ, 1, 0, _AUDIT_ARCH[ARCH]), (_RET, 0, 0, _KILL_PROCESS),
@@ -142,19 +129,17 @@ def seccomp_filter(no_mount: bool) -> list:
              **dict.fromkeys(("tgkill", "rt_sigqueueinfo", "rt_tgsigqueueinfo"), only(0, _OWN)),
              **dict.fromkeys(("prlimit64", "sched_setaffinity", "sched_setscheduler",
                               "sched_setparam", "sched_setattr"), only(0, 0, _OWN)),
-             # Clearing the parent-death signal would let a sleeping run outlive its worker; a
-             # dumpable run could lower its oom_score_adj; a filter of its own could hide calls.
+             # Kept: the parent-death signal, not dumpable (oom_score_adj), no filter hiding calls.
              "prctl": never(0, PR_SET_PDEATHSIG, PR_SET_DUMPABLE, _PR_SET_SECCOMP),
              "fcntl": never(1, *_FCNTL_REFUSED), "ioctl": never(1, *_IOCTL_REFUSED),
-             # The failure report's descriptor stays the zygote's socket for the whole run.
+             # fd 3, the failure report, stays the zygote's socket for the whole run.
              "close": never(0, EPILOGUE_FD), "shutdown": never(0, EPILOGUE_FD),
              "dup2": never(1, EPILOGUE_FD), "dup3": never(1, EPILOGUE_FD),
              "close_range": [arg(0), (_JGE, 3, 0, EPILOGUE_FD + 1), arg(1),
                              (_JGE, 0, 1, EPILOGUE_FD), deny, allow],
              "open": no_tmpfile(1), "openat": no_tmpfile(2), "fallocate": [unsupported],
              "openat2": [(_RET, 0, 0, _ERRNO | errno.ENOSYS)],      # its flags are in a struct
-             # Removing does nothing, and says it did: what a run wrote stays in its directory,
-             # counted, until the worker removes it after the run (tempfile's cleanup works).
+             # Removing does nothing and says it did: what a run wrote stays counted till it ends.
              **dict.fromkeys(("unlink", "unlinkat", "rmdir"), [(_RET, 0, 0, _ERRNO | 0)])}
     for name, number in _SYSCALLS[ARCH].items():
         if no_mount or name not in METADATA | _DISK:
@@ -181,8 +166,7 @@ def landlock_abi() -> int:
 
 
 class Landlock:
-    """A worker's ruleset, over O_PATH descriptors it keeps open; each child adds its cwd and
-    restricts itself."""
+    """A worker's ruleset over O_PATH descriptors it keeps; each child adds its cwd, restricts."""
 
     def __init__(self, abi: int, read_paths: list):
         self.handled = ((1 << 13) - 1 | _LL_REFER * (abi >= 2) | _LL_TRUNCATE * (abi >= 3)
@@ -203,7 +187,6 @@ class Landlock:
             self.rules.append((rights & self.handled & kept, self.fds[-1]))
 
     def install(self) -> None:
-        """Confine this process; the working directory is the current one."""
         ruleset = _syscall(_NR_LANDLOCK_CREATE, ctypes.create_string_buffer(self.attr), self.size,
                            0, what="landlock_create_ruleset")
         cwd = os.open(".", os.O_PATH | os.O_DIRECTORY)
@@ -218,10 +201,7 @@ class Landlock:
 
 def enter_mount_namespace(workdir: str, disk_mb: float, userns: bool,
                           owner: int | None = None) -> None:
-    """Every mount read-only, nosuid and private (a shared "/" would propagate our tmpfs to the
-    host) in one recursive mount_setattr, then a fresh tmpfs on `workdir`, owned by `owner` if
-    given. `userns`: first a user namespace of our own (ids mapped to themselves), where we may
-    mount unprivileged and RLIMIT_NPROC counts only this run."""
+    """Mounts read-only, nosuid, private (else our tmpfs reaches the host); a tmpfs on `workdir`."""
     if userns:
         uid, gid = os.geteuid(), os.getegid()
         _check(_libc.unshare(_CLONE_NEWUSER | _CLONE_NEWNS), "unshare(CLONE_NEWUSER|CLONE_NEWNS)")
@@ -244,24 +224,16 @@ def enter_mount_namespace(workdir: str, disk_mb: float, userns: bool,
 
 
 def closed_above(paths: list) -> list:
-    """The topmost directories above `paths` that other users may not enter (pyenv's Python
-    under a 0700 /root): what worker_namespace() opens."""
+    """The topmost directories above `paths` other users may not enter (pyenv under /root)."""
     found = set()
-    for path in paths:
-        parts = path.split("/")
-        for i in range(2, len(parts)):
-            above = "/".join(parts[:i])
-            if not os.stat(above).st_mode & stat.S_IXOTH:
-                found.add(above)
-                break
-    return sorted(found)
+    for parts in (path.split("/") for path in paths):
+        aboves = ("/".join(parts[:i]) for i in range(2, len(parts)))
+        found.add(next((a for a in aboves if not os.stat(a).st_mode & stat.S_IXOTH), ""))
+    return sorted(found - {""})
 
 
 def worker_namespace(closed: list, keep: list, hide: bool) -> bool:
-    """A mount namespace of our own (needs CAP_SYS_ADMIN) where the `keep` paths below each
-    `closed` directory are reachable by any uid: bind-mounted back on a tmpfs (0755) over it.
-    `hide`: a fresh /proc with hidepid=invisible, where a process sees the /proc/<pid> of no
-    process it may not ptrace (another uid's, or one not dumpable); whether that was done."""
+    """A tmpfs over each `closed` directory, `keep` paths bound back; `hide`: hidepid /proc (if)."""
     _check(_libc.unshare(_CLONE_NEWNS), "unshare(CLONE_NEWNS)")
     _check(_libc.mount(None, b"/", None, _MS_REC | _MS_PRIVATE, None), "mount(MS_PRIVATE)")
     umask = os.umask(0o022)
@@ -296,7 +268,6 @@ def has_capability(cap: int) -> bool:
 
 
 def become(uid: int) -> None:
-    """This process becomes uid and gid `uid`, with no supplementary groups."""
     for call, args in ((os.setgroups, [[]]), (os.setresgid, [uid] * 3), (os.setresuid, [uid] * 3)):
         try:
             call(*args)
@@ -305,10 +276,7 @@ def become(uid: int) -> None:
 
 
 def drop_capabilities(last_cap: int, uid: int | None = None) -> None:
-    """Every capability gone for good: root's special treatment locked off (an exec could not
-    regain them), the bounding set emptied (both need CAP_SETPCAP: without it, with no_new_privs,
-    there is nothing to regain), then ambient and the rest. `uid`: become that user on the way,
-    while CAP_SETUID and CAP_SETGID are still held."""
+    """Every capability gone for good; `uid`: become it on the way, while CAP_SETUID is held."""
     if has_capability(_CAP_SETPCAP):
         prctl(_PR_SET_SECUREBITS, 0xEF)   # NOROOT, NO_SETUID_FIXUP, NO_CAP_AMBIENT_RAISE + locks
         for cap in range(last_cap + 1):
@@ -320,8 +288,7 @@ def drop_capabilities(last_cap: int, uid: int | None = None) -> None:
 
 
 def set_oom_score() -> None:
-    """This process is the OOM killer's first choice (1000). With CAP_SYS_RESOURCE that is also the
-    least it may set later; without, /proc/self is root's (not dumpable) once the run starts."""
+    """oom_score_adj 1000; the run cannot lower it later (docs/SANDBOX.md, layer 2)."""
     dumpable = prctl(3)                # PR_GET_DUMPABLE: a non-dumpable process's /proc is root's
     if not dumpable:
         prctl(PR_SET_DUMPABLE, 1)
@@ -334,9 +301,7 @@ def set_oom_score() -> None:
 
 
 def run_uid(slot: int) -> int:
-    """The uid of the runs of worker `slot` of our pools: one of 2**22 blocks of 256 above 2**30,
-    from our pid and pid namespace and slot // 256 (a 257th slot starts a block of its own), so no
-    two live pools of one machine share a uid but by a collision of blocks."""
+    """The runs' uid of worker `slot` (docs/SANDBOX.md, 'A run is another user')."""
     pid = os.getpid()
     with contextlib.suppress(OSError):
         pid += os.stat("/proc/self/ns/pid").st_ino * 2654435761
@@ -344,8 +309,7 @@ def run_uid(slot: int) -> int:
 
 
 def readable_paths() -> list:
-    """What a run may read: system libraries and the Python installation, no more (an editable
-    project install on sys.path, say, is left out on purpose)."""
+    """System libraries and the Python installation, no more (no editable project install)."""
     paths = ["/usr", "/lib", "/lib64", "/lib32", "/etc/ld.so.cache", "/etc/localtime",
              "/sys/devices/system/cpu", sysconfig.get_config_var("LIBDIR")]
     paths += [sysconfig.get_paths()[k] for k in ("stdlib", "purelib", "platlib")]
@@ -354,8 +318,7 @@ def readable_paths() -> list:
 
 
 def pids_cgroup() -> tuple:
-    """(directory, version, why not) where this process may create pids cgroups: its own cgroup
-    of the v1 pids hierarchy, else of cgroup2 when pids is delegated to its children."""
+    """(directory, version, why not) of our pids cgroup: v1, else cgroup2 with pids delegated."""
     try:
         paths = dict(line.rstrip("\n").split(":", 2)[1:] for line in open("/proc/self/cgroup"))
     except OSError as exc:
@@ -365,8 +328,7 @@ def pids_cgroup() -> tuple:
     candidates += [(root + paths.get("", "/").rstrip("/"), "v2", "cgroup.subtree_control")
                    for root in ("/sys/fs/cgroup", "/sys/fs/cgroup/unified")]
     why = []
-    for directory, version, probe in filter(lambda c: os.path.isfile(f"{c[0]}/{c[2]}"),
-                                            candidates):
+    for directory, version, probe in filter(lambda c: os.path.isfile(f"{c[0]}/{c[2]}"), candidates):
         if os.statvfs(directory).f_flag & os.ST_RDONLY:
             why.append(f"{directory} is on a read-only mount")
         elif not os.access(directory, os.W_OK):
@@ -399,9 +361,7 @@ def missing_layer() -> str | None:
 
 
 def _refusal(exc: OSError, cap: int | None = None) -> str:
-    """Why a call failed: its errno and, when that can be told, who refused it. A seccomp filter
-    answers before the kernel reads any argument, so it refuses the same call with invalid ones,
-    which the kernel itself answers EINVAL or EFAULT."""
+    """Its errno and who refused it (a seccomp filter refuses invalid arguments; the kernel not)."""
     why, name = [exc.strerror], exc.strerror.split("(")[0].split(":")[0]
     number = {**_SYSCALLS[ARCH], "landlock_create_ruleset": _NR_LANDLOCK_CREATE}.get(name)
     if number and _libc.syscall(ctypes.c_long(number), *[ctypes.c_long(-1)] * 5) == -1 and \
@@ -413,12 +373,12 @@ def _refusal(exc: OSError, cap: int | None = None) -> str:
     return ", ".join(why)
 
 
-def _in_child(trial) -> dict:
-    """`trial()`'s dict, run in a forked child; if the child dies, that is the why."""
+def _in_child(trial, *args) -> dict:
+    """`trial(*args)`'s dict, run in a forked child; if the child dies, that is the why."""
     read, write = os.pipe()
     if (pid := os.fork()) == 0:
         try:
-            os.write(write, json.dumps(trial()).encode())
+            os.write(write, json.dumps(trial(*args)).encode())
         finally:
             os._exit(0)
     os.close(write)
@@ -426,23 +386,6 @@ def _in_child(trial) -> dict:
         found = json.loads(f.read() or '{"why": "the child trying it died", "nproc": false, '
                                         '"expose": [], "hide_proc": false}')
     os.waitpid(pid, 0)
-    return found
-
-
-def _try_mount(userns: bool) -> dict:
-    """In a child: a mount namespace as a run enters it (and whether RLIMIT_NPROC then binds)."""
-    directory = tempfile.mkdtemp(prefix="sandbox-detect-")
-
-    def trial():
-        found = {"why": None, "nproc": False}
-        try:
-            enter_mount_namespace(directory, 1, userns)
-            found["nproc"] = _nproc_binds()
-        except OSError as exc:
-            found["why"] = _refusal(exc, None if userns else _CAP_SYS_ADMIN)
-        return found
-    found = _in_child(trial)
-    os.rmdir(directory)
     return found
 
 
@@ -458,41 +401,44 @@ def _nproc_binds() -> bool:
     return False
 
 
-def _try_uid(uid: int) -> dict:
-    """In a child: become `uid` as a run does (opening a closed Python installation first, in a
-    mount namespace of its own) and read what a run reads."""
-    paths = readable_paths()
+def _try_mount(directory: str, userns: bool) -> dict:
+    """In a child: a mount namespace as a run enters it (and whether RLIMIT_NPROC then binds)."""
+    found = {"why": None, "nproc": False}
+    try:
+        enter_mount_namespace(directory, 1, userns)
+        found["nproc"] = _nproc_binds()
+    except OSError as exc:
+        found["why"] = _refusal(exc, None if userns else _CAP_SYS_ADMIN)
+    return found
 
-    def trial():
-        found = {"why": None, "expose": closed_above(paths), "nproc": False, "hide_proc": False}
+
+def _try_uid(uid: int, paths: list) -> dict:
+    found = {"why": None, "expose": closed_above(paths), "nproc": False, "hide_proc": False}
+    try:
         try:
-            try:
-                found["hide_proc"] = worker_namespace(found["expose"], paths, True)
-            except OSError as exc:
-                if found["expose"]:
-                    raise OSError(exc.errno, f"{', '.join(found['expose'])} closed to other "
-                                  f"users, and no mount namespace to open: {exc.strerror}")
-            become(uid)
-            unreadable = [p for p in paths
-                          if not os.access(p, os.R_OK | os.X_OK * os.path.isdir(p))]
-            if unreadable:
-                found["why"] = f"uid {uid} cannot read {unreadable[0]}"
-            found["hide_proc"] &= not os.path.exists(f"/proc/{os.getppid()}")
-            found["nproc"] = _nproc_binds()
+            found["hide_proc"] = worker_namespace(found["expose"], paths, True)
         except OSError as exc:
-            found["why"] = (f"uid {uid} is not mapped in this user namespace"
-                            if exc.errno == errno.EINVAL else _refusal(exc, _CAP_SETUID))
-            with contextlib.suppress(OSError):
-                if exc.strerror.startswith("setgroups") and \
-                        open("/proc/self/setgroups").read().strip() == "deny":
-                    found["why"] += " (setgroups is denied in this user namespace)"
-        return found
-    return _in_child(trial)
+            if found["expose"]:
+                raise OSError(exc.errno, f"{', '.join(found['expose'])} closed to other users, "
+                              f"and no mount namespace to open: {exc.strerror}")
+        become(uid)
+        unreadable = [p for p in paths if not os.access(p, os.R_OK | os.X_OK * os.path.isdir(p))]
+        if unreadable:
+            found["why"] = f"uid {uid} cannot read {unreadable[0]}"
+        found["hide_proc"] &= not os.path.exists(f"/proc/{os.getppid()}")
+        found["nproc"] = _nproc_binds()
+    except OSError as exc:
+        found["why"] = (f"uid {uid} is not mapped in this user namespace"
+                        if exc.errno == errno.EINVAL else _refusal(exc, _CAP_SETUID))
+        with contextlib.suppress(OSError):
+            if exc.strerror.startswith("setgroups") and \
+                    open("/proc/self/setgroups").read().strip() == "deny":
+                found["why"] += " (setgroups is denied in this user namespace)"
+    return found
 
 
 def detect(uid: int) -> dict:
-    """Which optional layers this machine grants, each tried as a run uses it (`uid`: a run's),
-    and why not the others. It forks: sandbox_pool.grants() runs it in a fresh process."""
+    """Each optional layer tried as a run uses it; it forks (grants() runs it in a new process)."""
     found = {"landlock": 0, "landlock_why": None}
     try:
         found["landlock"] = _syscall(_NR_LANDLOCK_CREATE, 0, 0, 1, what="landlock_create_ruleset")
@@ -502,8 +448,11 @@ def detect(uid: int) -> dict:
         found["landlock_why"] = _refusal(exc) + hint.get(exc.errno, "")
     cgroup, version, found["cgroup_why"] = pids_cgroup()
     found["cgroup"] = cgroup and [cgroup, version]
-    found["mount_root"], found["mount_user"] = _try_mount(False), _try_mount(True)
-    found["uid"] = _try_uid(uid)
+    directory = tempfile.mkdtemp(prefix="sandbox-detect-")
+    found["mount_root"], found["mount_user"] = (_in_child(_try_mount, directory, userns)
+                                                for userns in (False, True))
+    os.rmdir(directory)
+    found["uid"] = _in_child(_try_uid, uid, readable_paths())
     return found
 
 

@@ -1,15 +1,9 @@
-"""machinery/sandbox_pool.py: the warm pool behind sandbox.py and its verdicts (docs/SANDBOX.md
-has the reasoning). Sandbox runs one thread per worker in the calling process, which it makes not
-dumpable: it writes each run's job and stdin, caps its output (_Capture), keeps its deadline (the
-timeout, moved by what its main thread waited for a CPU, up to BACKSTOP times) and gives the
-verdict (_verdict) from kernel facts, never from what the run wrote. grants() and _layers(): what
-this machine grants of the optional LAYERS, and the plan the workers follow (among it each worker's
-uid); each worker's first run (_PROBE) checks from inside that the plan holds. Never imports
-sandbox.py."""
+"""machinery/sandbox_pool.py: the warm pool behind sandbox.py: a thread per worker feeds each run
+and keeps its deadline; _verdict judges from kernel facts; _layers() plans from what grants() finds,
+and each worker's first run (_PROBE) checks that plan from inside. Never imports sandbox.py."""
 from __future__ import annotations
 
 import atexit
-import concurrent.futures
 import contextlib
 import functools
 import itertools
@@ -27,13 +21,13 @@ import tempfile
 import threading
 import time
 import types
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 from machinery import sandbox_linux
 from machinery.sandbox_linux import (ARCH, MAX_FILES, PR_SET_DUMPABLE, available_cores,
                                      missing_layer, prctl)
-# The worker's limits are part of this module's API (tests and scripts read them here).
-from machinery.sandbox_worker import (MAX_OPEN_FILES, MAX_SIGNALS, MAX_TASKS,  # noqa: F401
+from machinery.sandbox_worker import (MAX_OPEN_FILES, MAX_SIGNALS, MAX_TASKS,  # noqa: F401 (API)
                                       PREIMPORT, THREAD_VARS, THIS_FILE as WORKER_FILE,
                                       cpu_time, remove_tree)
 
@@ -41,9 +35,7 @@ DEFAULT_OUTPUT_LIMIT = 64 * 1024   # bytes kept of stdout and of stderr, each
 DEFAULT_DISK_MB = 64               # tmpfs size: the run's total bytes on disk
 MAX_SEND_ATTEMPTS = 3              # sends of one job to workers that die before forking it
 GRACE = 30.0                       # seconds a worker may be late before it is presumed hung
-# A run that waited for a CPU (other runs, the host) has its deadline moved by that wait, up to
-# BACKSTOP times its timeout of wall clock; its CPU time stays bound by RLIMIT_CPU.
-BACKSTOP = 3.0
+BACKSTOP = 3.0                     # a deadline moved by CPU waits: at most this times the timeout
 
 
 @dataclass
@@ -58,8 +50,6 @@ class Result:
     def ok(self) -> bool:
         return self.status == "ok"
 
-
-# ---------------------------------------------------------------- the pool's pieces
 
 class _Capture:
     """Keeps the head and the tail of a stream, `limit` bytes in all."""
@@ -87,19 +77,14 @@ class _Capture:
 
 
 def _verdict(job: dict, exit_info: dict, failure: bytes, base_rss: int, timed_out: bool) -> tuple:
-    """(status, returncode) of a finished run from kernel facts: exit status, CPU time, peak memory,
-    the deadline. "ok" is exit status 0 with nothing on fd 3, where the run's guard reports a
-    failure (`failure`: the last byte there; M: of memory); nothing the run prints counts."""
+    """Never from what the run printed: "ok" is exit 0 with nothing on fd 3 (`failure`: its end)."""
     code = os.waitstatus_to_exitcode(exit_info["status"])     # -signal when a signal ended it
-    # The CPU rlimit's SIGXCPU, then SIGKILL, come only once the CPU time is spent.
-    if timed_out or exit_info["cpu"] >= math.ceil(job["timeout"]) + 0.95:
+    if timed_out or exit_info["cpu"] >= math.ceil(job["timeout"]) + 0.95:   # RLIMIT_CPU spent
         return "timeout", code
     if code == 0 and not failure:
         return "ok", 0
-    # A failing run that filled its memory failed for want of it, however that showed (3.11
-    # reports a failed frame allocation as SystemError, C code may crash).
     near_limit = exit_info["maxrss"] * 1024 - base_rss >= 0.9 * job["memory_mb"] * 2 ** 20
-    if failure == b"M" or near_limit:
+    if failure == b"M" or near_limit:   # filled memory: failed for want of it, however shown
         return "memory", code
     return ("killed" if code < 0 else "error"), code
 
@@ -108,11 +93,10 @@ def _job(code, timeout=10.0, memory_mb=1024, stdin="", output_limit=DEFAULT_OUTP
          disk_mb=DEFAULT_DISK_MB) -> dict:
     if not isinstance(code, str):
         raise TypeError("code must be a str")
-    job = {"code": code, "stdin": stdin or "", "timeout": float(timeout),
-           "memory_mb": int(memory_mb), "output_limit": int(output_limit),
-           "disk_mb": float(disk_mb)}
+    job = {"code": code, "stdin": stdin or "", "timeout": float(timeout), "disk_mb": float(disk_mb),
+           "memory_mb": int(memory_mb), "output_limit": int(output_limit)}
+    # (a tmpfs of size=0 would have no limit at all)
     if job["timeout"] <= 0 or job["memory_mb"] <= 0 or job["disk_mb"] * 2 ** 20 < 4096:
-        # (a tmpfs of size=0 would have no limit at all)
         raise ValueError("timeout and memory_mb must be positive, disk_mb at least 4 KiB")
     return job
 
@@ -128,8 +112,7 @@ def _receive(sock: socket.socket, timeout: float) -> dict | None:
 
 
 def _environment(directory: str) -> dict:
-    """A worker's environment, its runs': a fixed list, nothing of ours (no token, key or secret);
-    few glibc malloc arenas, whose 64 MiB reservations per thread eat the address-space limit."""
+    """Nothing of ours (no token or key); few malloc arenas (64 MiB each eat the address space)."""
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": directory, "TMPDIR": directory,
            "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "TZ": "UTC", "PYTHONIOENCODING": "utf-8",
            "MPLBACKEND": "Agg", "USER": "sandbox", **THREAD_VARS, "MALLOC_ARENA_MAX": "2"}
@@ -140,8 +123,7 @@ def _environment(directory: str) -> dict:
 
 @functools.lru_cache(maxsize=None)
 def grants() -> dict:
-    """What this machine grants of the optional layers: sandbox_linux.detect() in a fresh process
-    started like a worker (it forks to try them), once per process."""
+    """sandbox_linux.detect() in a fresh process started like a worker (it forks), once."""
     found = subprocess.run([sys.executable, "-I", "-S", sandbox_linux.__file__,
                             str(sandbox_linux.run_uid(0))], env=_environment(tempfile.gettempdir()),
                            capture_output=True, text=True, timeout=120)
@@ -156,14 +138,11 @@ LAYERS = {"uid": "a uid of its own", "landlock": "Landlock", "mount": "mount nam
 
 
 def required(require: str) -> set:
-    """The LAYERS that `require` asks for, each of which a worker's probe then checks from inside:
-    "default" (Landlock, with its own refusal line), "floor" (none), "all", or names of LAYERS,
-    comma-separated ("landlock,mount"); ValueError for anything else."""
+    """The LAYERS `require` asks for (docs/SANDBOX.md, 'The floor, the layers, ...')."""
+    presets = {"default": {"landlock"}, "floor": set(), "all": set(LAYERS)}
     names = require.split(",")
-    if require in ("default", "floor", "all"):
-        return {"default": {"landlock"}, "floor": set(), "all": set(LAYERS)}[require]
-    if set(names) <= set(LAYERS) and len(set(names)) == len(names):
-        return set(names)
+    if require in presets or set(names) <= set(LAYERS) and len(set(names)) == len(names):
+        return presets.get(require, set(names))
     raise ValueError(f"allowed: 'default' | 'floor' | 'all' | names of {sorted(LAYERS)}, "
                      f"comma-separated, each once; not {require!r}")
 
@@ -171,11 +150,9 @@ def required(require: str) -> set:
 def _layers(found: dict) -> tuple:
     """(plan the workers follow, what is in force, {layer: why not} of LAYERS) from grants()."""
     root, user, uid, cgroup = (found[k] for k in ("mount_root", "mount_user", "uid", "cgroup"))
-    # RLIMIT_NPROC counts only a run's tasks under a uid of its own, or in a user namespace of its
-    # own (where the run keeps the pool's uid).
+    # RLIMIT_NPROC counts a run alone under its own uid or user namespace; else the owner's (not 0).
     nproc_uid = not cgroup and not uid["why"] and uid["nproc"]
     nproc_userns = not cgroup and not nproc_uid and uid["why"] and not user["why"] and user["nproc"]
-    # Else, keeping a uid other than 0: that uid's task count at each run, plus the run's share.
     nproc_owner = not (cgroup or nproc_userns or not uid["why"] or os.geteuid() == 0)
     mount = ("user" if uid["why"] and (nproc_userns or (root["why"] and not user["why"]))
              else None if root["why"] else "root")
@@ -220,9 +197,8 @@ def _layers(found: dict) -> tuple:
 
 def _waited(pid: int) -> float:
     """Seconds the run's main thread spent runnable but not running (/proc/<pid>/schedstat)."""
-    with contextlib.suppress(OSError, ValueError, IndexError):
-        with open(f"/proc/{pid}/schedstat") as f:
-            return int(f.read().split()[1]) / 1e9
+    with contextlib.suppress(OSError, ValueError, IndexError), open(f"/proc/{pid}/schedstat") as f:
+        return int(f.read().split()[1]) / 1e9
     return 0.0
 
 
@@ -235,13 +211,8 @@ def default_workers() -> int:
     return max(1, available_cores() // ranks)
 
 
-# ---------------------------------------------------------------- the pool
-
-class Sandbox:
-    """A warm pool of workers, one run per worker at a time, one pool thread per worker feeding and
-    watching it. Thread-safe; use one per process. Futures resolve on pool threads: callbacks must
-    not block. require: see required(); by default a run sees only its own directory and the
-    Python installation (Landlock), else the pool refuses to start, saying why."""
+class Sandbox(contextlib.AbstractContextManager):
+    """Thread-safe; one per process. Futures resolve on pool threads: callbacks must not block."""
 
     def __init__(self, workers: int | None = None, preimport=PREIMPORT, require: str = "default"):
         if missing := missing_layer():
@@ -274,16 +245,12 @@ class Sandbox:
                                f"--sandbox_require=floor starts anyway and gives that up: runs "
                                f"then read {lost}")
         print(self.description, file=sys.stderr, flush=True)
-        # The pool's process: no run (nor any process of its uid) opens its /proc/<pid>/mem,
-        # environ or fd, and its /proc files are root's.
-        prctl(PR_SET_DUMPABLE, 0)
+        prctl(PR_SET_DUMPABLE, 0)   # no run (nor our uid) opens our /proc/<pid>/mem, environ, fd
         self.root = tempfile.mkdtemp(prefix="sandbox-")      # its mode: _spawn
-        self._queue = queue.SimpleQueue()          # (job, future)
-        self._lock = threading.Lock()
+        self._queue, self._lock = queue.SimpleQueue(), threading.Lock()   # queue: (job, future)
         self._ready = threading.Event()            # set: a probe passed, or the pool failed
         self._probe = None                         # (hello, checks) of the first worker
-        self._broken = None                        # why the pool stopped for good
-        self._trouble = None                       # why no worker is ready now
+        self._broken = self._trouble = None        # why it stopped for good; why none is ready
         self._closed, self._stop = False, threading.Event()
         self._generation = itertools.count(1)
         self._workers, self._failures = [None] * self.num_workers, [0] * self.num_workers
@@ -293,16 +260,13 @@ class Sandbox:
             thread.start()
         atexit.register(self.close)
 
-    # -- one thread per worker --------------------------------------------------------------
-
     def _serve(self, index: int) -> None:
         future, failures = None, self._failures
         try:
             while not (self._closed or self._broken):
                 worker = self._workers[index]
                 if worker is None or worker.dead or worker.proc.poll() is not None:
-                    started = self._start_worker(index)
-                    failures[index] = 0 if started else failures[index] + 1
+                    failures[index] = 0 if self._start_worker(index) else failures[index] + 1
                     if failures[index] >= 3:   # it may pass (memory, processes): wait, try again
                         self._fail("sandbox: workers keep dying at start-up", lasting=False)
                         self._stop.wait(min(30.0, 2.0 ** (failures[index] - 3)))
@@ -330,8 +294,7 @@ class Sandbox:
         future.set_result(result or lost)
 
     def _start_worker(self, index: int) -> bool:
-        """A fresh worker in slot `index`, its first run the probe; False when it died or said
-        nothing. A probe that finds a layer not in force stops the pool."""
+        """A fresh worker, its first run the probe (a layer found not in force stops the pool)."""
         if self._workers[index] is not None:
             self._retire(self._workers[index])
         if self._closed:
@@ -351,8 +314,7 @@ class Sandbox:
         try:
             checks = json.loads(probe.stdout)
             failed = [k for k in _expected(self.plan) if checks[k] is not True]
-            # (the owner's other tasks that ended meanwhile leave a run of its uid some more)
-            slack = 64 * (self.plan["nproc"] == "owner")
+            slack = 64 * (self.plan["nproc"] == "owner")    # the owner's tasks that ended meanwhile
             failed += ["tasks"] * ((checks["tasks"] or 0) > MAX_TASKS + slack)
             failed += [f"uid {self.uids[index]}"] * (self.plan["uid"]
                                                      and checks["uid"] != self.uids[index])
@@ -467,9 +429,7 @@ class Sandbox:
                 if now >= deadline and (pid is None or stopped):
                     worker.proc.kill()         # late to fork, or to end once killed: hung
                     deadline = now + 1.0
-                elif now >= deadline:
-                    # Time its main thread waited for a CPU is not up, while the run used less CPU
-                    # than its timeout (its own threads taking turns spend it), to the backstop.
+                elif now >= deadline:   # main-thread CPU waits don't count while under its timeout
                     waited = _waited(pid) * (cpu_time(pid) < job["timeout"])
                     moved = start + min(BACKSTOP, 1 + waited / job["timeout"]) * job["timeout"]
                     if moved > now + 0.005:
@@ -479,9 +439,8 @@ class Sandbox:
                     with contextlib.suppress(OSError):
                         worker.sock.send(json.dumps({"op": "kill", "pid": pid}).encode())
         finally:
-            for fd in [feed, out_r, err_r]:
-                if fd is not None:
-                    os.close(fd)
+            for fd in [out_r, err_r] + [feed] * (feed is not None):
+                os.close(fd)
 
     def _drain(self) -> list:
         futures = []
@@ -491,14 +450,11 @@ class Sandbox:
         return futures
 
     def _fail(self, message: str, lasting: bool = True) -> bool:
-        """Fail the queued jobs with `message`: a lasting failure (a layer not in force) stops the
-        pool; a passing one acts only once every slot failed to start 3 times running and none
-        is ready."""
+        """Fail the queued jobs; a passing failure only once every slot failed 3 times running."""
         with self._lock:
-            if not lasting:
-                serving = any(w and w.ready and not w.dead for w in self._workers)
-                if min(self._failures) < 3 or serving:
-                    return False
+            if not lasting and (min(self._failures) < 3
+                                or any(w and w.ready and not w.dead for w in self._workers)):
+                return False
             self._broken = self._broken or (message if lasting else None)
             self._trouble = self._trouble or message
         self._ready.set()
@@ -507,14 +463,11 @@ class Sandbox:
                 future.set_exception(RuntimeError(self._broken or self._trouble))
         return False
 
-    # -- public API -------------------------------------------------------------------------
-
     def submit(self, code: str, timeout: float = 10.0, memory_mb: int = 1024, stdin: str = "",
                output_limit: int = DEFAULT_OUTPUT_LIMIT,
-               disk_mb: float = DEFAULT_DISK_MB) -> concurrent.futures.Future:
-        """Queue one run; the Future resolves to its Result."""
+               disk_mb: float = DEFAULT_DISK_MB) -> Future:
         job = _job(code, timeout, memory_mb, stdin, output_limit, disk_mb)
-        future = concurrent.futures.Future()
+        future = Future()
         with self._lock:
             if self._closed or self._broken:
                 raise RuntimeError(self._broken or "sandbox is closed")
@@ -581,15 +534,10 @@ class Sandbox:
         remove_tree(self.root)
         atexit.unregister(self.close)
 
-    def __enter__(self):
-        return self
-
     def __exit__(self, *exc):
         self.close()
 
 
-# The first run of every worker: confinement measured from inside, not assumed; _expected says
-# which facts must hold under a plan.
 _PROBE = r'''import ctypes, fcntl, json, os, resource, socket, threading
 libc, caps = ctypes.CDLL(None), (ctypes.c_uint32 * 6)()
 libc.capget((ctypes.c_uint32 * 2)(0x20080522, 0), caps)
@@ -628,10 +576,8 @@ print(json.dumps({{"fork_blocked": refused(os.fork), "inet_blocked": refused(soc
 
 
 def _expected(plan: dict) -> list:
-    """The probe's facts that must hold under `plan`."""
-    return (["fork_blocked", "inet_blocked", "unix_bind_blocked", "host_metadata_blocked",
-             "signals_blocked", "inotify_blocked", "locks_blocked", "stdin_read_only",
-             "not_dumpable", "epilogue_kept", "workdir_writable", "no_new_privs",
-             "capabilities_dropped", "seccomp_filter"]
+    return ("fork_blocked inet_blocked unix_bind_blocked host_metadata_blocked signals_blocked "
+            "inotify_blocked locks_blocked stdin_read_only not_dumpable epilogue_kept "
+            "workdir_writable no_new_privs capabilities_dropped seccomp_filter".split()
             + ["host_dir_blocked", "host_file_blocked"] * bool(plan["landlock"])
             + ["host_read_only"] * bool(plan["mount"]))

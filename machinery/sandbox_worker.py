@@ -1,13 +1,6 @@
-"""machinery/sandbox_worker.py: what a sandbox worker runs (`python -I -S sandbox_worker.py
---worker CONFIG`; without `site`, so no .pth file runs), in a run's order:
-- _zygote_main: in a mount namespace of its own where it may, it opens the Python installation to
-  the runs' uid if a closed directory hides it and shows them a /proc of their own processes only;
-  it pre-imports, then forks one child per "fork" request (three pipe ends, the run's disk and CPU
-  limits; no job data) with a socket of its own as fd 3, watches what the kernel does not bound
-  (_overdrawn, charged to the run), and reports the exit status and fd 3.
-- _child: confines the child in the fixed order; _run_user_code runs the code like `python -c`,
-  its statements inside a guard (_guarded) that reports a failure on fd 3 first.
-Imports sandbox_linux and the standard library only."""
+"""machinery/sandbox_worker.py: a pool's worker, run without `site` (no .pth file runs).
+_zygote_main forks a child per request and watches what the kernel does not bound; _child confines
+the child; _run_user_code runs the code like `python -c`, in a guard reporting failures on fd 3."""
 from __future__ import annotations
 
 import ast
@@ -52,8 +45,7 @@ PREIMPORT = ("numpy", "numpy.random", "sympy")   # imported once per worker, if 
 # Cheap stdlib modules model code (and the graders' prelude) use all the time.
 WARM_STDLIB = ("math cmath fractions decimal itertools functools collections heapq bisect random "
                "statistics string re json typing datetime copy operator dataclasses enum").split()
-# Lazily loaded submodules (sympy's printers and solvers, numpy's linalg), loaded once here.
-WARMUP = {
+WARMUP = {   # lazily loaded submodules (sympy's printers and solvers, numpy's linalg), loaded here
     "numpy": "import numpy as np\n"
              "np.linalg.det(np.eye(3)); np.linalg.solve(np.eye(2), np.ones(2))\n"
              "str(np.arange(3)); np.random.default_rng(0).random(2)",
@@ -69,8 +61,6 @@ _KEEP_ALIVE = []                   # the zygote's stdio and __main__: never fina
 _SETUP_FAILED = 125                # exit code of a child that could not confine itself
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
-
-# ---------------------------------------------------------------- the child: confine, then run
 
 def _read_exactly(fd: int, size: int) -> bytes:
     data = b""
@@ -90,8 +80,7 @@ def _child(zygote: dict, fds: list, address_space: int, cpu: int, disk: int) -> 
         keep = sorted(zygote["landlock"].fds if zygote["landlock"] else [])
         for low, high in zip([3] + keep, keep + [1 << 16]):   # close all but those
             os.closerange(low + 1, high)
-        # stdin starts with the job: its length in 12 digits, then its JSON
-        job = json.loads(_read_exactly(0, int(_read_exactly(0, 12))))
+        job = json.loads(_read_exactly(0, int(_read_exactly(0, 12))))   # length in 12 digits, JSON
         step = "oom score"
         set_oom_score()
         step = "mount namespace"
@@ -101,9 +90,8 @@ def _child(zygote: dict, fds: list, address_space: int, cpu: int, disk: int) -> 
             os.chdir(zygote["dir"])
         step = "rlimits"
         memory = address_space + job["memory_mb"] * 2 ** 20   # on top of the warm interpreter
-        # NPROC counts this run alone (its uid's, its user namespace's), or the owner's uid.
+        # NPROC: this run alone, or the owner's uid; CPU: SIGXCPU at soft, SIGKILL a second later.
         nproc = MAX_TASKS + (_tasks_of(os.getuid()) - 1 if plan["nproc"] == "owner" else 0)
-        # The CPU limit sends SIGXCPU at the soft one, SIGKILL a second later at the hard one.
         limits = [("AS", memory, memory), ("CPU", cpu, cpu + 1), ("FSIZE", disk, disk),
                   ("NOFILE", MAX_OPEN_FILES, MAX_OPEN_FILES), ("CORE", 0, 0), ("MSGQUEUE", 0, 0),
                   ("SIGPENDING", MAX_SIGNALS, MAX_SIGNALS)]
@@ -134,23 +122,17 @@ def _child(zygote: dict, fds: list, address_space: int, cpu: int, disk: int) -> 
         os._exit(_SETUP_FAILED)
 
 
-# The guard around a run's statements. Its handlers step a reporter (`[] = it` steps an iterator
-# once): no call the profiler sees, no line the tracer sees (no line numbers), no check for signals
-# or other threads before the report is on fd 3. Its constants, replaced after compiling, carry a
-# token no program knows when it is compiled.
+# The guard: its handlers step a reporter (`[] = it`): nothing runs before the report on fd 3.
 _MARKS = [f"guard {os.urandom(8).hex()}: {name}" for name in ("SystemExit", "exit", "crash")]
-_GUARD = ast.parse("try:\n    pass\nexcept '{}':\n    [] = '{}'\n    raise\nexcept:\n    [] = '{}'\n"
-                   "    raise\n".format(*_MARKS)).body[0]
+_GUARD = ast.parse("try:\n    pass\nexcept '{}':\n    [] = '{}'\n    raise\nexcept:\n"
+                   "    [] = '{}'\n    raise\n".format(*_MARKS)).body[0]
 for _node in ast.walk(_GUARD):
     if "lineno" in _node._attributes:
         _node.lineno = _node.end_lineno = _node.col_offset = _node.end_col_offset = -1
 
 
 def _reporters() -> dict:
-    """The guard's constants: reporters that write on fd 3 when stepped, in C (faulthandler's
-    stack dump: GIL held, nothing allocated for the GC to act on), for a crash and for a SystemExit
-    unless its code is None, 0 or False (by identity: no method of the code's own runs). Stepping
-    them beforehand only writes the report; none has state to undo it."""
+    """Reporters writing on fd 3 in C: a crash; a SystemExit with a code not None, 0, False."""
     dump = starmap(faulthandler.dump_traceback, repeat((EPILOGUE_FD, False))).__next__
     codes = map(SystemExit.code.__get__, starmap(sys.exception, repeat(())))
     fine = map(frozenset(map(id, (None, 0, False))).__contains__, map(id, codes))
@@ -159,15 +141,11 @@ def _reporters() -> dict:
 
 
 def _guarded(source: str) -> types.CodeType:
-    """`source` compiled with its statements (after a docstring and __future__ imports, which cannot
-    fail) inside _GUARD: a failure leaving them is on fd 3 before it reaches this bootstrap."""
+    """`source` compiled, its statements after docstring and __future__ imports inside _GUARD."""
     tree = compile(source, "<string>", "exec", ast.PyCF_ONLY_AST, dont_inherit=True)
-    head = 0
-    for node in tree.body:
-        if not (isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
-                or getattr(node, "module", 0) == "__future__"):
-            break
-        head += 1
+    head = next((i for i, node in enumerate(tree.body)
+                 if not (isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
+                         or getattr(node, "module", 0) == "__future__")), len(tree.body))
     if head < len(tree.body):
         _GUARD.body, tree.body = tree.body[head:], tree.body[:head] + [_GUARD]
     code, consts = compile(tree, "<string>", "exec", dont_inherit=True), _reporters()
@@ -186,13 +164,9 @@ def _tasks_of(uid: int) -> int:
 
 
 def _run_user_code(source: str) -> None:
-    """Behave like `python -c source` in a fresh interpreter, then exit. A failure (an exception, or
-    SystemExit other than 0) is on fd 3, by its guard, before anything of the run's own (a hook,
-    finalizer, handler, thread) runs again; the run can neither close, replace nor shut down fd 3
-    (a socket no open() of /proc/self/fd reaches), and any bytes there make the run a failure."""
+    """Behave like `python -c source`, then exit (docs/SANDBOX.md, 'Verdicts')."""
     exit_code = SystemExit.code.__get__        # the status asked, not what a subclass says
-    # Address space set aside (untouched: free), given back on MemoryError to print the traceback.
-    reserve = mmap.mmap(-1, 4 << 20)
+    reserve = mmap.mmap(-1, 4 << 20)   # untouched (free); freed on MemoryError for the traceback
     sys.argv, sys.dont_write_bytecode = ["-c"], True
     sys.path.insert(0, "")
     _KEEP_ALIVE.append((sys.modules.get("__main__"), sys.stdin, sys.stdout, sys.stderr))
@@ -247,11 +221,8 @@ def _run_user_code(source: str) -> None:
     os._exit(status)
 
 
-# ---------------------------------------------------------------- the worker (zygote)
-
 def _zygote_main(config: dict) -> None:
-    """Fork one child per "fork" request, watch it where the kernel does not bound it, report its
-    pid and exit status, SIGKILL its group on "kill"; exit when the pool hangs up."""
+    """Fork a child per "fork", report its pid and exit, SIGKILL it on "kill"; end on hang-up."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C belongs to the owner
     prctl(PR_SET_CHILD_SUBREAPER, 1)   # strays of a run land here and are killed
     prctl(PR_SET_DUMPABLE, 0)          # no run opens our /proc/<pid>/mem, even as our uid
@@ -262,9 +233,7 @@ def _zygote_main(config: dict) -> None:
                                        plan["hide_proc"])
     if not plan["mount"]:
         _fresh(directory, uid)
-    # Children are born in this pids cgroup; moving each run into it instead would take
-    # cgroup_threadgroup_rwsem for writing, which can wait out an RCU grace period (10-30 ms).
-    if config["cgroup"]:
+    if config["cgroup"]:   # children born here: moving each run in waits out an RCU grace period
         with open(config["cgroup"] + "/cgroup.procs", "w") as f:
             f.write(str(os.getpid()))
     for name in WARM_STDLIB + config["preimport"]:
@@ -278,8 +247,7 @@ def _zygote_main(config: dict) -> None:
               "landlock": plan["landlock"] and Landlock(plan["landlock"], readable_paths())}
     gc.collect()
     gc.freeze()                        # children then do not dirty these pages with GC bits
-    # A child's end (SIGCHLD) wakes the select below through this pipe; no pidfd needed.
-    wake, woken = os.pipe()
+    wake, woken = os.pipe()   # SIGCHLD wakes the select below through this pipe (no pidfd needed)
     os.set_blocking(woken, False)
     signal.set_wakeup_fd(woken)
     signal.signal(signal.SIGCHLD, lambda *_: None)
@@ -319,8 +287,7 @@ def _zygote_main(config: dict) -> None:
             elif watching and time.monotonic() >= looked + WATCH:
                 looked, began = time.monotonic(), time.thread_time()
                 over = _overdrawn(child, directory, disk, plan["watch"])
-                watched += time.thread_time() - began
-                # The looking is the run's: with its own CPU time, within its CPU limit.
+                watched += time.thread_time() - began   # the looking is the run's CPU time
                 if over or cpu_time(child) + watched >= cpu_limit:
                     stopped = _kill_group(child) or True
             if sock in ready:
@@ -329,12 +296,10 @@ def _zygote_main(config: dict) -> None:
                     return             # the pool hung up: closing, or its owner died
                 request = json.loads(message)
                 if request["op"] == "fork" and child is None and len(fds) == 3:
-                    with open("/proc/self/statm") as f:
-                        pages = f.read().split()[:2]
+                    pages = open("/proc/self/statm").read().split()[:2]
                     address_space, rss = (int(n) * os.sysconf("SC_PAGE_SIZE") for n in pages)
                     disk, cpu_limit, over, stopped = request["disk"], request["cpu"], None, False
-                    # fd 3, the failure report: a socket (no open() of /proc/<pid>/fd/3 reaches
-                    # it) of ours, read when the run ends (none in flight: cheap to close).
+                    # fd 3: a socket (no open() of /proc/<pid>/fd/3 reaches it), read at the end.
                     report, theirs = (end.detach() for end in socket.socketpair())
                     looked, watched = time.monotonic(), 0.0
                     if (child := os.fork()) == 0:      # the child: _child never returns
@@ -349,21 +314,17 @@ def _zygote_main(config: dict) -> None:
         if child:
             _kill_group(child)
             os.waitpid(child, 0)
-        if config["cgroup"]:
-            parent = os.path.dirname(config["cgroup"])
-            with contextlib.suppress(OSError):     # out of our cgroup, so that it can go
-                open(parent + "/cgroup.procs", "w").write(str(os.getpid()))
+        with contextlib.suppress(OSError, TypeError):  # out of our cgroup (if any), so it can go
+            open(os.path.dirname(config["cgroup"]) + "/cgroup.procs", "w").write(str(os.getpid()))
         if not plan["mount"]:
             _walk(directory, remove=True)
-        # The pool's root too, if it is the last one there (its owner died).
-        for path in (config["cgroup"], directory, os.path.dirname(directory)):
+        for path in (config["cgroup"], directory, os.path.dirname(directory)):   # root if last
             with contextlib.suppress(OSError, TypeError):
                 os.rmdir(path)
         os._exit(0)
 
 
 def _overdrawn(pid: int, directory: str, disk: int, watch: list) -> str | None:
-    """What a run went over of what the kernel does not bound for it, if anything."""
     if "tasks" in watch and (fields := _stat(pid)) and int(fields[17]) > MAX_TASKS:  # num_threads
         return f"{fields[17]} tasks, over its {MAX_TASKS}"
     return _too_much(*_walk(directory), disk) if "disk" in watch else None
@@ -384,14 +345,12 @@ def _stat(pid: int) -> list:
 
 
 def cpu_time(pid: int) -> float:
-    """CPU seconds of all of `pid`'s tasks."""
     fields = _stat(pid)
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK") if fields else 0.0
 
 
 def _fresh(directory: str, uid: int | None) -> None:
-    """A new empty working directory at `directory` (removing the old one drops the dentries of
-    every name looked up in it), owned by the runs' uid."""
+    """A new empty working directory, owned by the runs' uid (dropping the old one's dentries)."""
     with contextlib.suppress(OSError):
         os.rmdir(directory)
         os.mkdir(directory, 0o700)
@@ -400,10 +359,7 @@ def _fresh(directory: str, uid: int | None) -> None:
 
 
 def _walk(top: str, remove: bool = False) -> tuple:
-    """(entries, bytes) below `top`, depth-first without recursion, one descriptor at a time,
-    going up by ".." checked against where it came from: no depth raises RecursionError or runs
-    out of descriptors. Counting stops past MAX_FILES entries. `remove`: removes all below `top`
-    on the way, opening up directories their owner closed (mode 0)."""
+    """(entries, bytes) below `top` (to MAX_FILES), without recursion, one fd at a time."""
     entries = size = 0
 
     def scan(fd: int) -> list:         # count one directory (unlinking its files): its subdirs
@@ -429,18 +385,22 @@ def _walk(top: str, remove: bool = False) -> tuple:
         return 0, 0
     above, todo = [], scan(fd)         # above: (device, inode, subdirs left, name) per level
     try:
-        while True:
-            if todo and (remove or entries <= MAX_FILES):
+        while (deeper := todo and (remove or entries <= MAX_FILES)) or above:
+            if deeper:
                 name = todo.pop()
                 try:
-                    child = _open_dir(name, fd)
+                    try:
+                        child = os.open(name, _DIR, dir_fd=fd)
+                    except PermissionError:    # its owner closed it: open it up (root needs not)
+                        os.chmod(name, 0o700, dir_fd=fd)
+                        child = os.open(name, _DIR, dir_fd=fd)
                 except OSError:
                     continue
                 here = os.fstat(fd)
                 above.append((here.st_dev, here.st_ino, todo, name))
                 os.close(fd)
                 fd, todo = child, scan(child)
-            elif above:
+            else:
                 device, inode, todo, name = above.pop()
                 parent = os.open("..", _DIR, dir_fd=fd)
                 os.close(fd)
@@ -450,23 +410,12 @@ def _walk(top: str, remove: bool = False) -> tuple:
                 if remove:
                     with contextlib.suppress(OSError):
                         os.rmdir(name, dir_fd=fd)
-            else:
-                break
     finally:
         os.close(fd)
     return entries, size
 
 
-def _open_dir(name: str, parent: int) -> int:
-    try:
-        return os.open(name, _DIR, dir_fd=parent)
-    except PermissionError:            # its owner closed it: open it up (root needs not)
-        os.chmod(name, 0o700, dir_fd=parent)
-        return os.open(name, _DIR, dir_fd=parent)
-
-
 def remove_tree(path: str) -> None:
-    """Remove directory `path` and everything below it, whatever its depth."""
     _walk(path, remove=True)
     with contextlib.suppress(OSError):
         os.rmdir(path)
@@ -484,7 +433,6 @@ if __name__ == "__main__":     # `python -I -S sandbox_worker.py --worker CONFIG
     _config = json.loads(sys.argv[2])
     sys.path.extend(_config["site"])   # without `site`: its directories, none of its .pth files
     import site                        # under -S importing it runs nothing; exit() and help()
-    site.setquit()
-    site.setcopyright()
-    site.sethelper()
+    for install in (site.setquit, site.setcopyright, site.sethelper):
+        install()
     _zygote_main(_config)
