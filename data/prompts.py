@@ -2,14 +2,11 @@
 
 Every string is upstream's, character for character (typos such as "sumbit" and the stray quote
 after "# YOUR CODE HERE" included): the checkpoints saw them. Source: Gen-Verse/Open-AgentRL
-recipe/demystify/reward.py (its constants and CustomRLHFDataset's map functions, named in each
-comment), read at the public copy Tianshi-Xu/Open-AgentRL 627a2844; Blackteaxx/DemyAgent,
-jianghoucheng/Agent_On_Policy_Distillation and wencanning/test-opd hold the same text (that fork's
-1f781221 has MATH_1, MATH_2 and AGENT texts no other copy has: its own experiment). rollout.py
-renders the text as the user turn; a row's system turn stays a system turn.
-
-CODE_INTERPRETER: sandbox_fusion_tool_config.yaml's tool schema in the key order verl's
-OpenAIFunctionToolSchema dumps (no unset keys), as the models saw it and Open-AgentRL-SFT-3K has it.
+recipe/demystify/reward.py (constants and CustomRLHFDataset's map functions, named in each comment)
+read at Tianshi-Xu/Open-AgentRL 627a2844, as in Blackteaxx/DemyAgent, wencanning/test-opd and
+jianghoucheng/Agent_On_Policy_Distillation (Tianshi-Xu's 1f781221 differs in MATH_1, MATH_2 and
+AGENT: its own experiment). CODE_INTERPRETER: sandbox_fusion_tool_config.yaml's schema in the key
+order verl dumps, as the models saw it. rollout.py renders the text as the user turn.
 """
 
 ANSWER_FORMAT = ("\nRemember once you make sure the current answer is your final answer, do not call the tools again "

@@ -1,11 +1,9 @@
 """data/toy.py: the toy tool-use task behind the CPU demo, and every toy helper of the pipeline.
 
-Arithmetic a million-parameter model cannot do in its head (a product of two 3-digit or three
-2-digit numbers, a sum of two squares), solved by the paper's loop: Python in a <tool_call>, read
-the <tool_response>, box the number. SFT trajectories mix `tool` (35%: one correct call), `guess`
-(45%: no call, the expression restated, a wrong boxed estimate) and `retry` (20%: a buggy call, the
-real error, a fixed call); guessing is the commonest, so RL learns whether to call from reward
-alone. Tool replies are what the sandbox really printed.
+Arithmetic a million-parameter model cannot do in its head, solved by the paper's loop: Python in
+a <tool_call>, read the <tool_response>, box the number. SFT mixes `tool` (one correct call),
+`guess` (no call, a wrong boxed estimate: the commonest, so RL learns from reward alone whether to
+call) and `retry` (a buggy call, the real error, a fixed call) trajectories, with real tool output.
     python -m data.toy --out data/toy        # writes sft.jsonl, train.jsonl, heldout.jsonl
 """
 
@@ -126,10 +124,9 @@ def build(out, n_sft=6000, n_train=2000, n_heldout=200, seed=0, digits=3, sft=Tr
     """Write sft.jsonl (if `sft`: it runs every call in the sandbox), train.jsonl, heldout.jsonl
     into `out`; the RL problems follow the SFT ones in one draw, so they never repeat them."""
     train = make_problems(n_sft + n_train, "train", seed, digits=digits)
-    sft_problems, rl_problems = train[:n_sft], train[n_sft:]
     heldout = make_problems(n_heldout, "heldout", seed=0, digits=digits)  # fixed across seeds
-    files = {"sft.jsonl": make_sft_records(sft_problems, seed)} if sft else {}
-    files.update({"train.jsonl": rl_problems, "heldout.jsonl": heldout})
+    files = {"sft.jsonl": make_sft_records(train[:n_sft], seed)} if sft else {}
+    files.update({"train.jsonl": train[n_sft:], "heldout.jsonl": heldout})
     from data.prepare import write_jsonl
     for name, rows in files.items():  # without "code": no solution leaks into the data
         rows = [{k: v for k, v in r.items() if k != "code"} for r in rows]
