@@ -70,9 +70,12 @@ SPLIT_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 
-def _corpus():
-    """Text the BPE merges are learned from: the chat and tool layout, Python, arithmetic prose."""
+def build_tokenizer(path):
+    """Train the byte-level BPE and save a transformers-loadable tokenizer into `path`."""
     from data.prompts import CODE_INTERPRETER
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    # the text the merges are learned from: the chat and tool layout, Python, arithmetic prose
     layout = (CHAT_TEMPLATE.replace("{{-", " ").replace("}}", " ")
               .replace("{%-", " ").replace("%}", " "))
     python = ("print(result)\nimport math\nresult = sum(int(d) for d in str(n))\nfor i in range(10):\n"
@@ -87,13 +90,6 @@ def _corpus():
              "What is 12 * 34? What is (56 * 78) % 9? What is the sum of the digits of 12**5? "
              "Use the code tool, then give the final answer in \\boxed{}. The answer is \\boxed{7}. "
              "NameError: name 'pritn' is not defined SyntaxError: invalid syntax. Perhaps you forgot a comma? ")
-    return [layout, json.dumps(CODE_INTERPRETER), python, prose] * 20
-
-
-def build_tokenizer(path):
-    """Train the byte-level BPE and save a transformers-loadable tokenizer into `path`."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated"),
@@ -102,7 +98,7 @@ def build_tokenizer(path):
     trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE - len(MARKER_TOKENS),
                                   special_tokens=SPECIAL_TOKENS, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(_corpus(), trainer=trainer)
+    tok.train_from_iterator([layout, json.dumps(CODE_INTERPRETER), python, prose] * 20, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
                                    pad_token="<|endoftext|>", unk_token=None, bos_token=None,
                                    clean_up_tokenization_spaces=False)
