@@ -16,7 +16,6 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # their ids fo
 # Added, not special (Qwen has them as single ids too): decoding keeps them.
 MARKER_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
 
-# The tiny model's shape; build_tiny_checkpoint's keyword arguments override fields.
 TINY_CONFIG = dict(model_type="qwen3", hidden_size=128, intermediate_size=384,
                    num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                    rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=4096,
