@@ -1,19 +1,12 @@
 """data/prepare.py: the paper's datasets -> the project's jsonl formats (docs/CONTRACTS.md).
 
-    python data/prepare.py sft  --out data   # Gen-Verse/Open-AgentRL-SFT-3K -> data/sft.jsonl
-    python data/prepare.py rl   --out data   # Gen-Verse/Open-AgentRL-30K    -> data/rl.jsonl
-    python data/prepare.py eval --out data   # Gen-Verse/Open-AgentRL-Eval   -> data/eval/*.jsonl
-    python data/prepare.py all  --out data   # all three
+    python data/prepare.py {sft,rl,eval,all} --out data  # HUB -> data/{sft,rl}.jsonl, data/eval/
     python data/prepare.py eval --source code_generation_lite/test6.jsonl --lcb_start 2025-02-01
 
---source: a hub dataset id (huggingface_hub, optional) or a local directory or file of .parquet
-(pyarrow, optional), .jsonl or .json rows. Eval writes aime24, aime25, gpqa, lcb .jsonl files and
-also reads raw GPQA (options shuffled with a seed fixed by the question) and raw
-livecodebench/code_generation_lite rows (private tests: base64 of zlib of a pickle, unpickled as
-plain data only) dated in the paper's v6 window, 2025-02-01 .. 2025-05-31 inclusive. Prompts are
-upstream's (data/prompts.py). A malformed row stops the run with one line: file, row number (from
-1), field and what is wrong. Departure: each 30K row gets the prompt of its own data_source;
-upstream picks one per parquet file, by the file's first row.
+--source: a hub dataset id, a local .parquet, .jsonl or .json file or a folder of them. Eval also
+reads raw GPQA and raw livecodebench/code_generation_lite rows (those in the paper's v6 window). A
+bad row stops the run with one line: file, row, field, what is wrong. Departure: each 30K row gets
+its own data_source's prompt; upstream gives a parquet file's rows the prompt of its first row's.
 """
 
 import argparse
@@ -48,8 +41,7 @@ class DataError(SystemExit):  # a malformed row stops the run with this one line
 
 
 def source_rows(source):
-    """(row, "file: row i", path below the folder that holds `top`) for every row of `top`: a
-    local file, or the row files under a local directory or a downloaded hub dataset."""
+    """(row, "file: row i", path from the source's parent) per row of a file, folder or hub id."""
     top, files = source, [source]
     if not os.path.isfile(source):
         top, files = source if os.path.isdir(source) else download(source), []
@@ -77,9 +69,8 @@ def download(repo_id):
         raise SystemExit("downloading needs huggingface_hub (pip install huggingface_hub), "
                          "or pass --source DIR")
     except Exception as e:
-        first_line = str(e).splitlines()[0] if str(e) else ""
-        raise SystemExit(f"could not download {repo_id} from the Hugging Face hub "
-                         f"({type(e).__name__}: {first_line}); "
+        why = f"{type(e).__name__}: " + (str(e).splitlines() or [""])[0]
+        raise SystemExit(f"could not download {repo_id} from the Hugging Face hub ({why}); "
                          "download it elsewhere and pass --source DIR")
 
 
@@ -145,22 +136,18 @@ def drop_none(x):
 
 
 class PlainUnpickler(pickle.Unpickler):
-    """Refuses every class or function reference, the way a pickle runs code: only what the
-    opcodes build by themselves (str, bytes, numbers, lists, dicts, ...) comes out."""
-
+    """Refuses every class or function reference (the way a pickle runs code): plain data only."""
     def find_class(self, module, name):
         raise pickle.UnpicklingError(f"refused to load {module}.{name}: only plain data is allowed")
 
 
 def lcb_tests(value, where, field):
-    """A LiveCodeBench test list (JSON text, or base64 of zlib of a pickle of JSON text)
-    -> (cases, set of test types)."""
+    """LiveCodeBench tests (JSON, or base64 of zlib of a pickle of JSON) -> (cases, test types)."""
     items = value or []
-    if isinstance(items, str):
-        try:
-            items = json.loads(items)
-        except json.JSONDecodeError:
-            items = json_field(unpickle_blob(items, where, field), where, field)
+    try:
+        items = json.loads(items) if isinstance(items, str) else items
+    except json.JSONDecodeError:
+        items = json_field(unpickle_blob(items, where, field), where, field)
     try:  # plain data only: a tuple, set, bytes or non-string key fails a JSON round trip
         plain = json.loads(json.dumps(items)) == items and isinstance(items, list)
     except (TypeError, ValueError, RecursionError):
@@ -192,13 +179,12 @@ def code_tests(gt, where, field=GROUND_TRUTH):
     if not isinstance(gt, dict):
         raise DataError(where, field, f"expected an object, got {type(gt).__name__}")
     if "inputs" not in gt and {"test_code", "entry_point", "import_prefix"} & gt.keys():  # asserts
-        tests = {"fn_name": None, "cases": [], "import_prefix": gt.get("import_prefix") or ""}
         for key in ("test_code", "entry_point"):
             if not isinstance(gt.get(key), str) or not gt[key].strip():
                 raise DataError(where, f"{field}.{key}",
                                 "missing (assert-style tests need test_code and entry_point)")
-            tests[key] = gt[key]
-        return tests
+        return {"fn_name": None, "cases": [], "import_prefix": gt.get("import_prefix") or "",
+                "test_code": gt["test_code"], "entry_point": gt["entry_point"]}
     ins, outs, fn = gt.get("inputs"), gt.get("outputs"), gt.get("fn_name") or None
     if not isinstance(ins, list) or not isinstance(outs, list) or not ins or len(ins) != len(outs):
         raise DataError(where, field, "needs lists 'inputs' and 'outputs' of one non-zero length")
@@ -209,8 +195,7 @@ def code_tests(gt, where, field=GROUND_TRUTH):
             raise DataError(where, field + ".inputs", "stdin tests need text inputs and outputs")
     elif all(isinstance(i, str) for i in ins):  # LiveCodeBench: already one JSON argument a line
         outs = [o if isinstance(o, str) else json.dumps(o) for o in outs]
-    elif all(isinstance(i, list) for i in ins):
-        # TACO / APPS call-based: each output stored in a list ([48]); the grader takes either
+    elif all(isinstance(i, list) for i in ins):  # TACO / APPS: each output in a list, [48]
         cases = [{"input": "\n".join(json.dumps(a) for a in i), "output": json.dumps(o)}
                  for i, o in zip(ins, outs)]
         return {"fn_name": fn, "wrapped": True, "cases": cases}
@@ -231,8 +216,7 @@ def convert_sft(row, where):
         if not isinstance(m.get("content") or "", str):
             raise DataError(where, f + ".content", "not a string")
         msg = {"role": m["role"], "content": m.get("content") or ""}
-        calls = json_field(m.get("tool_calls"), where, f + ".tool_calls")
-        if calls:
+        if calls := json_field(m.get("tool_calls"), where, f + ".tool_calls"):
             msg["tool_calls"] = [tool_call(c, where, f"{f}.tool_calls[{k}]")
                                  for k, c in enumerate(calls)]
         msg |= {k: m[k] for k in ("name", "tool_call_id") if isinstance(m.get(k), str) and m[k]}
@@ -291,8 +275,7 @@ def convert_rl(row, where):
 
 
 def benchmark_of(rel, row):
-    """aime24 | aime25 | gpqa | lcb from the raw layouts, the folder and file names (aime2024/,
-    gpqa-diamond/, ... in Open-AgentRL-Eval) or data_source; else a name made from data_source."""
+    """aime24|aime25|gpqa|lcb by layout, folder/file names or data_source, else from data_source."""
     if "question_content" in row or "Correct Answer" in row:
         return "lcb" if "question_content" in row else "gpqa"
     for part in re.split(r"[\\/]", rel)[::-1] + [str(row.get("data_source") or "")]:
@@ -335,18 +318,14 @@ def convert_gpqa(row, where):
 
 
 def convert_lcb(row, where, window):
-    if "question_content" in row:
-        return convert_lcb_raw(row, where, window)
-    gt = json_field(ground_truth(row, where), where, GROUND_TRUTH)
-    if not isinstance(gt, dict) or "inputs" not in gt:
-        raise DataError(where, GROUND_TRUTH, "expected an object with inputs and outputs")
-    tests = code_tests(gt, where)
-    return {"prompt": prompts.lcb(need(row, "problem", where), gt["inputs"], gt["outputs"]),
-            "answer": None, "kind": "code", "tests": tests}
-
-
-def convert_lcb_raw(row, where, window):
-    """A livecodebench/code_generation_lite row; None when its contest lies outside the window."""
+    """An Open-AgentRL-Eval or raw code_generation_lite row; None when dated outside the window."""
+    if "question_content" not in row:
+        gt = json_field(ground_truth(row, where), where, GROUND_TRUTH)
+        if not isinstance(gt, dict) or "inputs" not in gt:
+            raise DataError(where, GROUND_TRUTH, "expected an object with inputs and outputs")
+        tests = code_tests(gt, where)
+        return {"prompt": prompts.lcb(need(row, "problem", where), gt["inputs"], gt["outputs"]),
+                "answer": None, "kind": "code", "tests": tests}
     day = row.get("contest_date")  # ISO text in the real files; a datetime when pyarrow made it one
     try:
         if not isinstance(day, datetime.datetime):

@@ -1,18 +1,12 @@
 """The prompt texts DemyAgent-4B and Qwen3-4B-RA-SFT were trained and evaluated with.
 
 Every string is upstream's, character for character (typos such as "sumbit" and the stray quote
-after "# YOUR CODE HERE" included): the checkpoints saw them. Source: Gen-Verse/Open-AgentRL,
-recipe/demystify/reward.py (module constants, CustomRLHFDataset's map functions, named in each
-comment and builder), read from the public copy Tianshi-Xu/Open-AgentRL at commit 627a2844; the
-same text stands in Blackteaxx/DemyAgent, jianghoucheng/Agent_On_Policy_Distillation and
-wencanning/test-opd. That fork's commit 1f781221 has other MATH_1, MATH_2 and AGENT texts, in no
-other copy: taken as its own experiment. rollout.py renders the text as the user turn; a row's
-system turn stays a system turn.
-
-CODE_INTERPRETER is the code tool's schema as the models saw it in their system turn: the texts of
-recipe/demystify/sandbox_fusion_tool_config.yaml, in the key order verl's pydantic model
-OpenAIFunctionToolSchema dumps them (type, function: name, description, parameters: type,
-properties, required; no unset keys), also the order of the tools column of Open-AgentRL-SFT-3K.
+after "# YOUR CODE HERE" included): the checkpoints saw them. Source: Gen-Verse/Open-AgentRL
+recipe/demystify/reward.py (constants and CustomRLHFDataset's map functions, named in each comment)
+read at Tianshi-Xu/Open-AgentRL 627a2844, as in Blackteaxx/DemyAgent, wencanning/test-opd and
+jianghoucheng/Agent_On_Policy_Distillation (Tianshi-Xu's 1f781221 differs in MATH_1, MATH_2 and
+AGENT: its own experiment). CODE_INTERPRETER: sandbox_fusion_tool_config.yaml's schema in the key
+order verl dumps, as the models saw it. rollout.py renders the text as the user turn.
 """
 
 ANSWER_FORMAT = ("\nRemember once you make sure the current answer is your final answer, do not call the tools again "

@@ -1,10 +1,9 @@
 """data/tiny.py: a genuine Hugging Face checkpoint built offline, for the tests and the CPU demo.
 
-`build_tiny_checkpoint(dir)` writes config.json + model.safetensors (random tiny Qwen3 weights)
-and a tokenizer that `transformers.AutoTokenizer` loads: byte-level BPE trained here on a small
-built-in corpus, Qwen's special tokens, the tool-call markers as single added tokens and digits one
-by one (both as in Qwen's vocabulary), and a chat template of the Qwen3 tool-use layout. Real Qwen
-checkpoints go through the same code paths; nothing here is special-cased downstream.
+`build_tiny_checkpoint(dir)` writes random tiny Qwen3 weights and a tokenizer AutoTokenizer loads:
+byte-level BPE trained on a built-in corpus, Qwen's special tokens, the tool-call markers as single
+added tokens and digits one by one (as in Qwen), a Qwen3 tool-use chat template. Nothing downstream
+special-cases it: real Qwen checkpoints take the same code paths.
 
     python -m data.tiny runs/tiny      # write the checkpoint, print what was built
 """
@@ -13,23 +12,18 @@ import json
 import os
 import sys
 
-# The special tokens first: their ids are fixed by the order here.
-SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-# Added, non-special tokens (Qwen has these as single ids too). Decoding keeps them.
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # their ids follow this order
+# Added, not special (Qwen has them as single ids too): decoding keeps them.
 MARKER_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
 
-# The tiny model's shape; build_tiny_checkpoint's keyword arguments override fields.
-TINY_CONFIG = dict(
-    model_type="qwen3", hidden_size=128, intermediate_size=384, num_hidden_layers=4,
-    num_attention_heads=4, num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6,
-    rope_theta=10000.0, max_position_embeddings=4096, tie_word_embeddings=True,
-    attention_bias=False, dtype="float32",
-)
+TINY_CONFIG = dict(model_type="qwen3", hidden_size=128, intermediate_size=384,
+                   num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                   rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=4096,
+                   tie_word_embeddings=True, attention_bias=False, dtype="float32")
 VOCAB_SIZE = 2048   # the BPE's ceiling; the small corpus below yields 761 tokens
 
-# The Qwen3 chat layout with tools as a Jinja template (a line ending in """ goes on in the next
-# r""": one string). Tool calls as {"type": "function", "function": {"name", "arguments"}} or
-# {"name", "arguments"}, arguments a dict or JSON text; consecutive tool messages share a user turn.
+# Qwen3's tool-use chat template (a line ending in """ goes on in the next r"""). Tool calls with or
+# without the "function" wrapper, arguments a dict or JSON text; adjacent tool turns: one user turn.
 CHAT_TEMPLATE = (r"""
 {%- if tools %}
 {{- '<|im_start|>system\n' }}
@@ -75,9 +69,12 @@ SPLIT_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 
-def _corpus():
-    """Text the BPE merges are learned from: the chat and tool layout, Python, arithmetic prose."""
+def build_tokenizer(path):
+    """Train the byte-level BPE and save a transformers-loadable tokenizer into `path`."""
     from data.prompts import CODE_INTERPRETER
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    # the text the merges are learned from: the chat and tool layout, Python, arithmetic prose
     layout = (CHAT_TEMPLATE.replace("{{-", " ").replace("}}", " ")
               .replace("{%-", " ").replace("%}", " "))
     python = ("print(result)\nimport math\nresult = sum(int(d) for d in str(n))\nfor i in range(10):\n"
@@ -92,24 +89,15 @@ def _corpus():
              "What is 12 * 34? What is (56 * 78) % 9? What is the sum of the digits of 12**5? "
              "Use the code tool, then give the final answer in \\boxed{}. The answer is \\boxed{7}. "
              "NameError: name 'pritn' is not defined SyntaxError: invalid syntax. Perhaps you forgot a comma? ")
-    return [layout, json.dumps(CODE_INTERPRETER), python, prose] * 20
-
-
-def build_tokenizer(path):
-    """Train the byte-level BPE and save a transformers-loadable tokenizer into `path`."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE - len(MARKER_TOKENS),
                                   special_tokens=SPECIAL_TOKENS, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(_corpus(), trainer=trainer)
+    tok.train_from_iterator([layout, json.dumps(CODE_INTERPRETER), python, prose] * 20, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
                                    pad_token="<|endoftext|>", unk_token=None, bos_token=None,
                                    clean_up_tokenization_spaces=False)

@@ -1,12 +1,9 @@
 """data/toy.py: the toy tool-use task behind the CPU demo, and every toy helper of the pipeline.
 
-Arithmetic a million-parameter model cannot do in its head (products of two 3-digit numbers, of
-three 2-digit numbers, sums of two squares), so the way to the answer is the paper's loop: Python
-in a <tool_call>, read the <tool_response>, box the number. SFT trajectories mix styles so RL has a
-policy to sharpen: `tool` (35%, one correct call), `guess` (45%, no call, the expression restated,
-a wrong boxed estimate), `retry` (20%, a buggy call, the real error, a fixed call); guessing is the
-commonest, so RL learns whether to call from reward alone. Tool replies are what the sandbox really
-printed. Files: runs/toy/data/{sft,train,heldout}.jsonl (ensure()); the SFT start (sft_start()).
+Arithmetic a million-parameter model cannot do in its head, solved by the paper's loop: Python in
+a <tool_call>, read the <tool_response>, box the number. SFT mixes `tool` (one correct call),
+`guess` (no call, a wrong boxed estimate: the commonest, so RL learns from reward alone whether to
+call) and `retry` (a buggy call, the real error, a fixed call) trajectories, with real tool output.
     python -m data.toy --out data/toy        # writes sft.jsonl, train.jsonl, heldout.jsonl
 """
 
@@ -26,10 +23,9 @@ EVAL = dict(n=1, temperature=1.0, top_p=0.6, **LIMITS)  # the paper's sampling, 
 
 
 def make_problem(rng, kind, digits=3):
-    """A problem in the RL/eval format plus the code that solves it (`code`). Each number of a kind
-    has a fixed width, so every copy the task needs (operands into the code, the tool's output into
-    the box) spans a fixed number of tokens: a model trained from scratch for minutes learns such
-    copies, while copying across varying distances (induction) takes it far longer."""
+    """A problem in the RL/eval format plus the code that solves it (`code`). A kind's numbers
+    have one width, so every copy (operands into the code, the output into the box) spans a fixed
+    distance: a model trained from scratch learns those in minutes, varying ones far later."""
     if digits < 2:
         raise ValueError(f"digits must be at least 2, not {digits}")
     top = 10 ** digits - 1
@@ -109,7 +105,6 @@ def make_sft_records(problems, seed=0, mix=(0.35, 0.45, 0.2)):
     records = []
     for p, style, plan in zip(problems, styles, plans):
         messages = [{"role": "user", "content": p["prompt"]}]
-        reply = None
         for code in plan:
             reply = sandbox.format_tool_output(next(results), max_chars=256)  # rollout's default
             call = {"name": "code_interpreter", "arguments": {"code": code}}
@@ -126,14 +121,12 @@ def make_sft_records(problems, seed=0, mix=(0.35, 0.45, 0.2)):
 
 
 def build(out, n_sft=6000, n_train=2000, n_heldout=200, seed=0, digits=3, sft=True):
-    """Write sft.jsonl (when `sft`; it runs every trajectory's code in the sandbox), train.jsonl and
-    heldout.jsonl into `out`; returns the paths written. The RL problems are the same with or
-    without the SFT file: they follow the n_sft SFT problems in one draw, so never repeat them."""
+    """Write sft.jsonl (if `sft`: it runs every call in the sandbox), train.jsonl, heldout.jsonl
+    into `out`; the RL problems follow the SFT ones in one draw, so they never repeat them."""
     train = make_problems(n_sft + n_train, "train", seed, digits=digits)
-    sft_problems, rl_problems = train[:n_sft], train[n_sft:]
     heldout = make_problems(n_heldout, "heldout", seed=0, digits=digits)  # fixed across seeds
-    files = {"sft.jsonl": make_sft_records(sft_problems, seed)} if sft else {}
-    files.update({"train.jsonl": rl_problems, "heldout.jsonl": heldout})
+    files = {"sft.jsonl": make_sft_records(train[:n_sft], seed)} if sft else {}
+    files.update({"train.jsonl": train[n_sft:], "heldout.jsonl": heldout})
     from data.prepare import write_jsonl
     for name, rows in files.items():  # without "code": no solution leaks into the data
         rows = [{k: v for k, v in r.items() if k != "code"} for r in rows]
@@ -142,8 +135,7 @@ def build(out, n_sft=6000, n_train=2000, n_heldout=200, seed=0, digits=3, sft=Tr
 
 
 def ensure(sft=False, base_dir=None, seed=0):
-    """Write what the toy pipeline reads when it is missing: the RL and held-out problems, the
-    SFT trajectories (sft=True; they run every call in the sandbox), the tiny base (base_dir)."""
+    """Write what the toy pipeline reads when missing: problems, SFT data (sft), base (base_dir)."""
     if not all(os.path.exists(p) for p in ([TRAIN, HELDOUT] + [SFT_DATA] * sft)):
         build(DATA, seed=seed, sft=sft)
     if base_dir and not os.path.exists(os.path.join(base_dir, "config.json")):
