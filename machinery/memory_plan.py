@@ -1,10 +1,11 @@
-"""machinery/memory_plan.py: one RL step's memory on a GPU, phase by phase, and the KV pool beside
-it (docs/DESIGN.md). rl.make_engine measures it on CUDA; scripts/plan.py runs it on fake tensors.
-`run_phases` runs rl.py's own functions (passed in: no stage imported) on dummy tokens, so the plan
-cannot drift: generate, old_logprob, update (two micro-batches: a gradient held between them shows
-in the second), optimizer. A sequence longer than a micro-batch goes alone (rl.pack), so none is
-planned shorter than full length. Resident throughout: AdamW's fp32 moments, with flash-attn the
-decode graphs' outputs, and the KV pool (usable memory less OUTSIDE less the largest phase peak).
+"""machinery/memory_plan.py: one RL step's memory on a GPU, phase by phase, and the KV pool sized
+beside its largest phase (docs/DESIGN.md). rl.make_engine measures it on CUDA; scripts/plan.py runs
+it on fake tensors. `run_phases` runs rl.py's own functions (passed in: no stage imported) on dummy
+tokens, so the plan cannot drift: generate, old_logprob, update (two micro-batches: a gradient held
+between them shows in the second), optimizer. A sequence longer than a micro-batch goes alone
+(rl.pack), so none is planned shorter than full length. Resident throughout: AdamW's fp32 moments,
+with flash-attn the decode graphs' outputs, and the KV pool (usable memory less OUTSIDE less the
+largest phase peak).
 """
 
 from types import SimpleNamespace
