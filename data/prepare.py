@@ -340,7 +340,8 @@ def convert_lcb(row, where, window):
         raise DataError(where, "public_test_cases", "no test cases")
     fn = None
     if "functional" in k1 | k2:
-        fn = (json_field(row.get("metadata") or "{}", where, "metadata") or {}).get("func_name")
+        meta = json_field(row.get("metadata") or "{}", where, "metadata")
+        fn = meta.get("func_name") if isinstance(meta, dict) else None   # a list, a string: none
         if not isinstance(fn, str) or not fn:
             raise DataError(where, "metadata.func_name", "missing for a functional problem")
     # upstream has no map for raw rows: map_lcb's template, the public tests as its examples

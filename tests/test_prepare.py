@@ -217,6 +217,16 @@ def test_raw_livecodebench_without_a_date_is_an_error(tmp_path):
             prepare.prepare_eval(path, str(tmp_path / "out"), report=quiet)
 
 
+def test_raw_livecodebench_metadata_not_an_object_is_one_line(tmp_path):
+    """A functional row whose metadata is a JSON list or string: the field error, no traceback."""
+    rows = read(os.path.join(FIX, "lcb_raw", "code_generation_lite_v6.jsonl"))
+    row = next(r for r in rows if "func_name" in str(r.get("metadata")))
+    for meta in ("[1, 2]", '"addTwo"'):
+        path = write_rows(tmp_path / "code_generation_lite.jsonl", [dict(row, metadata=meta)])
+        with pytest.raises(SystemExit, match=r"row 1: field 'metadata.func_name'"):
+            prepare.prepare_eval(path, str(tmp_path / "out"), report=quiet)
+
+
 def test_raw_gpqa_options_are_shuffled_once_and_written_in(tmp_path):
     row = {"Question": "Which is a noble gas?", "Correct Answer": "Neon", "Incorrect Answer 1": "Iron",
            "Incorrect Answer 2": "Carbon", "Incorrect Answer 3": "Sodium", "High-level domain": "Chemistry"}
