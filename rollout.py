@@ -453,8 +453,9 @@ class Engine:
             full = seq.num_response >= seq.params.max_tokens
             seq.finish_reason = "stop" if stop else "length" if full else None
         stopped = [seq for seq in batch if seq.finish_reason]
-        self.running = deque(s for s in self.running if s.finish_reason is None)
-        self.held += stopped
+        if stopped:  # the running queue is rebuilt only when a sequence ends, not every step
+            self.running = deque(s for s in self.running if s.finish_reason is None)
+            self.held += stopped
         return stopped
 
     def _sample(self, batch, logits):

@@ -314,8 +314,10 @@ def _zygote_main(config: dict) -> None:
         if child:
             _kill_group(child)
             os.waitpid(child, 0)
-        with contextlib.suppress(OSError, TypeError):  # out of our cgroup (if any), so it can go
-            open(os.path.dirname(config["cgroup"]) + "/cgroup.procs", "w").write(str(os.getpid()))
+        if config["cgroup"]:
+            with contextlib.suppress(OSError):  # out of our cgroup, so that it can go
+                procs = os.path.dirname(config["cgroup"]) + "/cgroup.procs"
+                open(procs, "w").write(str(os.getpid()))
         if not plan["mount"]:
             _walk(directory, remove=True)
         for path in (config["cgroup"], directory, os.path.dirname(directory)):   # root if last
