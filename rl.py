@@ -265,9 +265,7 @@ def grpo_tcr_loss(logprobs, old_logprobs, advantages, mask, clip_low=0.2, clip_h
 
 # ---------------------------------------------------------------- data
 def load_problems(path):
-    """Project-format problems; a malformed record stops the run with file and line."""
-    if not os.path.exists(path):
-        raise SystemExit(f"{path}: problems file not found")
+    """Project-format problems (check() saw the file); a bad record stops with file and line."""
     problems = evaluate.load_jsonl(path)
     if not problems:
         raise SystemExit(f"{path}: no problems")
@@ -321,6 +319,7 @@ class Run:
     engine: rollout.Engine
     metrics: Metrics
     sandbox: "TimedSandbox"
+    save_dtype: torch.dtype    # of the saved HF weights
 
 
 def train(cfg):
@@ -340,31 +339,63 @@ def train(cfg):
 
 def _train(cfg, rank, world, device, sharded):
     run = setup(cfg, rank, world, device, sharded)
+    model, engine = run.model, run.engine
     for step in range(run.start, run.steps):
         t_step, times, memory = time.time(), {}, {}
+        done = step + 1  # the step's number in logs and checkpoints
+        last = done == run.steps
         batch_ids = batch_indices(step, cfg.prompts_per_step, len(run.problems), cfg.seed)
         batch = [run.problems[i] for i in batch_ids]
         mine = list(range(rank, len(batch), world))  # this rank's problems: every world-th
         with phase("rollout", times, memory, device):
-            trajs = rollout_phase(run, step, batch, mine)
+            # a problem's seed is (run seed, step, place in the batch): a resumed step samples what
+            # the interrupted one would have, and 1 or N ranks sample alike
+            seeds = [zlib.crc32(f"rl:{cfg.seed}:{step}:{i}".encode()) % 2**31 for i in mine]
+            run.sandbox.seconds = 0.0
+            model.eval()
+            with full_weights(model):
+                trajs = rollout.rollout(model, run.tokenizer, [batch[i] for i in mine], run.rcfg,
+                                        sandbox=run.sandbox, seeds=seeds, engine=engine)
         times["sandbox"] = run.sandbox.seconds
         with phase("score", times, memory, device):  # rewards, then GRPO's advantages
-            samples = score_phase(run, batch, mine, trajs)
+            samples = grade([batch[i] for i in mine], trajs, cfg)
+            for s in samples:  # problems numbered by their place in the whole batch
+                s["problem"] = mine[s["problem"]]
+            samples.sort(key=lambda s: (s["problem"], s["sample"]))
             adv = group_advantages([s["reward"] for s in samples], cfg.samples_per_prompt,
                                    cfg.adv_eps)  # a problem's whole group is on this rank
             for s, a in zip(samples, adv.tolist()):
                 s["adv"] = a
         everyone, groups, kept = share_rewards(samples, cfg)
         with phase("old_logprob", times, memory, device):  # with the training forward
-            score_tokens(run.model, samples, "old_logprobs", cfg, device, entropy=True)
+            score_tokens(model, samples, "old_logprobs", cfg, device, entropy=True)
             if run.ref is not None:
                 score_tokens(run.ref, samples, "ref_logprobs", cfg, device)
-        with phase("update", times, memory, device):  # the loss, one optimizer step a mini-batch
-            updates = update_phase(run, step, samples, kept)
-        record = step_metrics(step + 1, everyone, groups, updates,
-                              sampler_mismatch(samples, device), device, run.engine.stats)
-        keep_trajectories(cfg, step + 1, batch_ids, batch, samples, run.tokenizer)
-        eval_phase(run, step + 1, record, times, memory)
+        with phase("update", times, memory, device):  # PPO: an optimizer step per mini-batch
+            updates, firsts = [], range(0, cfg.prompts_per_step, cfg.mini_batch_prompts)
+            for first in list(firsts) * cfg.ppo_epochs:
+                part = [s for s in samples if s["problem"] in kept
+                        and first <= s["problem"] < first + cfg.mini_batch_prompts]
+                num_tokens, num_seqs = all_reduce([sum(sum(s["mask"]) for s in part), len(part)],
+                                                  device)
+                if num_seqs == 0:
+                    continue
+                stats = update(model, run.opt, part, num_tokens, int(num_seqs), cfg, device, world)
+                if not (math.isfinite(stats["loss"]) and math.isfinite(stats["grad_norm"])):
+                    raise SystemExit(f"step {done}: loss {stats['loss']} / grad norm "
+                                     f"{stats['grad_norm']} is not finite; stopping before the "
+                                     f"optimizer step (checkpoints: {cfg.out_dir})")
+                run.opt.step()
+                run.opt.zero_grad(set_to_none=True)  # the gradients' memory goes back to the pool
+                updates.append(stats)
+        record = step_metrics(done, everyone, groups, updates, sampler_mismatch(samples, device),
+                              device, engine.stats)
+        keep_trajectories(cfg, done, batch_ids, batch, samples, run.tokenizer)
+        if run.eval_problems and (last or (cfg.eval_every and done % cfg.eval_every == 0)):
+            with phase("eval", times, memory, device):
+                record["eval"] = run.evals["last"] = run_eval(run, done)
+            if last:
+                run.evals["after"] = run.evals["last"]
         times["step"] = time.time() - t_step
         record["time"] = {k: round(v, 3) for k, v in times.items()}
         if memory:
@@ -372,7 +403,12 @@ def _train(cfg, rank, world, device, sharded):
         # logged before the checkpoint: a run killed between the two redoes the step, not its line
         run.metrics.log(**record)
         print_step(record, samples, cfg)
-        save_phase(run, step + 1)
+        if last or (cfg.save_every and done % cfg.save_every == 0):  # a collective: every rank
+            t0 = time.time()
+            save_checkpoint(cfg.out_dir, done, model, run.opt, run.tokenizer,
+                            dict(config=asdict(cfg), evals=run.evals), run.path,
+                            dtype=run.save_dtype, keep=cfg.keep_checkpoints, last=last)
+            run.metrics.log(event="save", step=done, seconds=round(time.time() - t0, 3))
     return finish(run)
 
 
@@ -423,31 +459,12 @@ def setup(cfg, rank, world, device, sharded):
            f"{cfg.samples_per_prompt}, world {world}, device {device}, KV pool "
            f"{engine.stats['kv_pool_tokens']} tokens per rank")
     run = Run(cfg, rank, world, device, path, tokenizer, rcfg, problems, eval_problems, steps,
-              start, evals, model, ref, opt, engine, metrics, TimedSandbox())
+              start, evals, model, ref, opt, engine, metrics, TimedSandbox(),
+              DTYPES[model.config.dtype if cfg.save_dtype == "auto" else cfg.save_dtype])
     if eval_problems and start == 0:
         evals["before"] = run_eval(run, 0)
         print0(f"eval before: accuracy {evals['before']['accuracy']:.3f}")
     return run
-
-
-def rollout_phase(run, step, batch, mine):
-    """This rank's problems' trajectories. A problem's seed is (run seed, step, place in the batch):
-    a resumed step samples what the interrupted one would have, and 1 or N ranks sample alike."""
-    run.sandbox.seconds = 0.0
-    run.model.eval()
-    seeds = [zlib.crc32(f"rl:{run.cfg.seed}:{step}:{i}".encode()) % 2**31 for i in mine]
-    with full_weights(run.model):
-        return rollout.rollout(run.model, run.tokenizer, [batch[i] for i in mine], run.rcfg,
-                               sandbox=run.sandbox, seeds=seeds, engine=run.engine)
-
-
-def score_phase(run, batch, mine, trajs):
-    """Graded, rewarded samples by (problem, sample), problems numbered by place in the batch."""
-    samples = grade([batch[i] for i in mine], trajs, run.cfg)
-    for s in samples:
-        s["problem"] = mine[s["problem"]]
-    samples.sort(key=lambda s: (s["problem"], s["sample"]))
-    return samples
 
 
 def share_rewards(samples, cfg):
@@ -479,52 +496,6 @@ def sampler_mismatch(samples, device):
     worst = all_reduce([worst], device, dist.ReduceOp.MAX)[0]
     return {"entropy": ent / max(count, 1), "mismatch_mean": total / max(count, 1),
             "mismatch_max": worst, "mismatch_outside": outside / max(count, 1)}
-
-
-def update_phase(run, step, samples, kept):
-    """PPO: one optimizer step per mini-batch of mini_batch_prompts problems."""
-    cfg, updates = run.cfg, []
-    for _ in range(cfg.ppo_epochs):
-        for first in range(0, cfg.prompts_per_step, cfg.mini_batch_prompts):
-            part = [s for s in samples if first <= s["problem"] < first + cfg.mini_batch_prompts
-                    and s["problem"] in kept]
-            num_tokens, num_seqs = all_reduce([sum(sum(s["mask"]) for s in part), len(part)],
-                                              run.device)
-            if num_seqs == 0:
-                continue
-            stats = update(run.model, run.opt, part, num_tokens, int(num_seqs), cfg, run.device,
-                           run.world)
-            if not (math.isfinite(stats["loss"]) and math.isfinite(stats["grad_norm"])):
-                raise SystemExit(f"step {step + 1}: loss {stats['loss']} / grad norm "
-                                 f"{stats['grad_norm']} is not finite; stopping before the "
-                                 f"optimizer step (checkpoints: {cfg.out_dir})")
-            run.opt.step()
-            run.opt.zero_grad(set_to_none=True)  # the gradients' memory goes back to the pool
-            updates.append(stats)
-    return updates
-
-
-def eval_phase(run, step, record, times, memory):
-    """Held-out evaluation every eval_every steps and after the last."""
-    last, every = step == run.steps, run.cfg.eval_every
-    if run.eval_problems and (last or (every and step % every == 0)):
-        with phase("eval", times, memory, run.device):
-            record["eval"] = run.evals["last"] = run_eval(run, step)
-        if last:
-            run.evals["after"] = run.evals["last"]
-
-
-def save_phase(run, step):
-    """A checkpoint every save_every steps and after the last (a collective: every rank)."""
-    cfg = run.cfg
-    if not (step == run.steps or (cfg.save_every and step % cfg.save_every == 0)):
-        return
-    t0 = time.time()
-    save_dtype = DTYPES[run.model.config.dtype if cfg.save_dtype == "auto" else cfg.save_dtype]
-    save_checkpoint(cfg.out_dir, step, run.model, run.opt, run.tokenizer,
-                    dict(config=asdict(cfg), evals=run.evals), run.path, dtype=save_dtype,
-                    keep=cfg.keep_checkpoints, last=step == run.steps)
-    run.metrics.log(event="save", step=step, seconds=round(time.time() - t0, 3))
 
 
 def finish(run):

@@ -456,7 +456,7 @@ import os, sys, time
 sys.path.insert(0, {root!r})
 import rl
 from machinery.exits import exit_worker
-grade = rl.score_phase
+grade = rl.grade
 
 
 def slow(*args):  # rank 1 grades {delay} s late: a slow sandbox, long trajectories
@@ -465,7 +465,7 @@ def slow(*args):  # rank 1 grades {delay} s late: a slow sandbox, long trajector
     return grade(*args)
 
 
-rl.score_phase = slow
+rl.grade = slow
 rl.main(sys.argv[1:])
 exit_worker()
 """
