@@ -259,6 +259,8 @@ def test_batch_that_does_not_split_says_what_would(monkeypatch):
         yield 0, 24, torch.device("cpu"), True
     monkeypatch.setattr(rl, "distributed", fake)
     monkeypatch.setenv("WORLD_SIZE", "24")   # torchrun's; checked before anything is loaded
+    # no process group yet, as at startup (tests calling setup_distributed leave a world of one)
+    monkeypatch.setattr(common.dist, "is_initialized", lambda: False)
     with pytest.raises(SystemExit) as e:
         rl.train(rl.Config())
     assert "run 1, 2, 4, 8, 16 processes" in str(e.value)
