@@ -22,8 +22,7 @@ def _bool(text):
 
 
 def _field_comments(cls):
-    """field -> the comment on its line in the class source (what --help says of it); {} without
-    source."""
+    """field -> the comment on its line in the class source (its --help text); {} without source."""
     try:
         tokens = tokenize.generate_tokens(io.StringIO(inspect.getsource(cls)).readline)
     except (OSError, TypeError):
@@ -77,7 +76,6 @@ def named(argv):
 
 
 def refuse(name, value, allowed):
-    """Stop with one line: --name=value and what is allowed."""
     shown = repr(value) if isinstance(value, str) else value
     raise SystemExit(f"--{name}={shown}: {allowed}")
 
@@ -106,7 +104,6 @@ def ranges(cfg, table):
 
 
 def choices(cfg, **allowed):
-    """Each named field one of its choices."""
     for name, options in allowed.items():
         if getattr(cfg, name) not in options:
             refuse(name, getattr(cfg, name), "allowed: " + " | ".join(map(repr, options)))
