@@ -32,6 +32,8 @@ from machinery.sandbox_pool import Result, Sandbox, default_workers  # noqa: F40
 _FENCE_OPEN = re.compile(r"```[ \t]*(?:python3?|py)\b[^\n]*\n", re.IGNORECASE)
 # Wraps the final bare expression: prints its repr (not None) like the REPL; line numbers stay.
 _SHOW = (b"(lambda __value: None if __value is None else print(repr(__value)))((", b"))")
+_default, _default_lock = None, threading.Lock()      # the pool of the module-level functions
+_options = {"workers": None, "require": "default"}
 
 
 def prepare_code(code: str) -> str:
@@ -75,10 +77,6 @@ def format_tool_output(result: Result, max_chars: int = 256) -> str:
         text = text[:budget] if room <= 0 else (text[:(room + 1) // 2] + "\n...\n"
                                                 + text[len(text) - room // 2:])
     return text + note
-
-
-_default, _default_lock = None, threading.Lock()
-_options = {"workers": None, "require": "default"}
 
 
 def configure(workers: int | None = None, require: str = "default") -> None:

@@ -36,6 +36,9 @@ DEFAULT_DISK_MB = 64               # tmpfs size: the run's total bytes on disk
 MAX_SEND_ATTEMPTS = 3              # sends of one job to workers that die before forking it
 GRACE = 30.0                       # seconds a worker may be late before it is presumed hung
 BACKSTOP = 3.0                     # a deadline moved by CPU waits: at most this times the timeout
+LAYERS = {"uid": "a uid of its own", "landlock": "Landlock", "mount": "mount namespace",
+          "tasks": "task count bound by the kernel"}
+_slots = itertools.count()         # worker slots of this process's pools: their runs' uids
 
 
 @dataclass
@@ -71,9 +74,8 @@ class _Capture:
             return (self.head + self.tail).decode("utf-8", "replace")
         tail = self.tail[len(self.tail) - self.limit // 2:]
         cut = self.total - len(self.head) - len(tail)
-        return (self.head.decode("utf-8", "replace")
-                + f"\n[... {cut} bytes of output cut: {self.total} in all ...]\n"
-                + tail.decode("utf-8", "replace"))
+        note = f"\n[... {cut} bytes of output cut: {self.total} in all ...]\n"
+        return self.head.decode("utf-8", "replace") + note + tail.decode("utf-8", "replace")
 
 
 def _verdict(job: dict, exit_info: dict, failure: bytes, base_rss: int, timed_out: bool) -> tuple:
@@ -131,10 +133,6 @@ def grants() -> dict:
         why = found.stderr.strip()[-500:]
         raise RuntimeError(f"sandbox: could not find out what confines a run here: {why}")
     return json.loads(found.stdout)
-
-
-LAYERS = {"uid": "a uid of its own", "landlock": "Landlock", "mount": "mount namespace",
-          "tasks": "task count bound by the kernel"}
 
 
 def required(require: str) -> set:
@@ -200,9 +198,6 @@ def _waited(pid: int) -> float:
     with contextlib.suppress(OSError, ValueError, IndexError), open(f"/proc/{pid}/schedstat") as f:
         return int(f.read().split()[1]) / 1e9
     return 0.0
-
-
-_slots = itertools.count()      # worker slots of this process's pools: their runs' uids
 
 
 def default_workers() -> int:

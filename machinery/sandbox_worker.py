@@ -29,12 +29,11 @@ from itertools import repeat, starmap
 
 if __name__ == "__main__":  # a worker runs under `python -I`: no project directory on sys.path
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from machinery import sandbox_linux
 from machinery.sandbox_linux import (EPILOGUE_FD, MAX_FILES, PR_SET_CHILD_SUBREAPER,
                                      PR_SET_DUMPABLE, PR_SET_NO_NEW_PRIVS, PR_SET_PDEATHSIG,
                                      Landlock, drop_capabilities, enter_mount_namespace,
                                      install_seccomp, prctl, readable_paths, seccomp_filter,
-                                     set_oom_score)
+                                     set_oom_score, worker_namespace)
 
 THIS_FILE = os.path.abspath(__file__)     # what the workers run, whatever the cwd later
 MAX_TASKS = 256                    # tasks per run, the main thread included
@@ -181,7 +180,7 @@ def _run_user_code(source: str) -> None:
         signal.signal(getattr(signal, name), signal.SIG_DFL)
     signal.pthread_sigmask(signal.SIG_SETMASK, [])
     linecache.cache["<string>"] = (len(source), None, source.splitlines(True), "<string>")
-    status, error, message = 0, None, None
+    status, error = 0, None
     try:
         try:
             code = _guarded(source)
@@ -192,11 +191,10 @@ def _run_user_code(source: str) -> None:
     except SystemExit as exc:      # a status other than 0 is already reported
         code = exit_code(exc)
         status = 0 if code is None else code & 0xFF if isinstance(code, int) else 1
-        message = None if code is None or isinstance(code, int) else code
+        if code is not None and not isinstance(code, int):
+            print(code, file=sys.stderr)
     except BaseException as exc:
         status, error = 1, exc
-    if message is not None:
-        print(message, file=sys.stderr)
     if error is not None:
         if isinstance(error, MemoryError) or getattr(error, "errno", None) == errno.ENOMEM:
             os.write(EPILOGUE_FD, b"M")
@@ -227,10 +225,9 @@ def _zygote_main(config: dict) -> None:
     prctl(PR_SET_CHILD_SUBREAPER, 1)   # strays of a run land here and are killed
     prctl(PR_SET_DUMPABLE, 0)          # no run opens our /proc/<pid>/mem, even as our uid
     sock = socket.socket(fileno=config["fd"])
-    imported, plan, uid, directory = [], config["plan"], config["uid"], config["dir"]
+    plan, uid, directory = config["plan"], config["uid"], config["dir"]
     if plan["expose"] or plan["hide_proc"]:    # Python reachable by the runs' uid; /proc hidden
-        sandbox_linux.worker_namespace(plan["expose"], readable_paths() + [directory],
-                                       plan["hide_proc"])
+        worker_namespace(plan["expose"], readable_paths() + [directory], plan["hide_proc"])
     if not plan["mount"]:
         _fresh(directory, uid)
     if config["cgroup"]:   # children born here: moving each run in waits out an RCU grace period
@@ -239,7 +236,6 @@ def _zygote_main(config: dict) -> None:
     for name in WARM_STDLIB + config["preimport"]:
         with contextlib.suppress(Exception):
             __import__(name)
-            imported.append(name)
             exec(WARMUP.get(name, ""), {"__name__": "__warmup__"})
     zygote = {"pid": os.getpid(), "dir": directory, "plan": plan, "uid": uid,
               "seccomp": seccomp_filter(not plan["mount"]),
@@ -254,7 +250,7 @@ def _zygote_main(config: dict) -> None:
     child = disk = cpu_limit = over = stopped = None
     looked = watched = 0.0
     try:
-        hello = {"op": "hello", "preimported": [m for m in imported if m in config["preimport"]],
+        hello = {"op": "hello", "preimported": [m for m in config["preimport"] if m in sys.modules],
                  "threads": len(os.listdir("/proc/self/task"))}
         sock.send(json.dumps(hello).encode())
         while True:
