@@ -195,23 +195,20 @@ class PagedKVCache:
         # the K and the V slot of each token; each sequence's last token
         self.pool_index = upload([(s, s + self.v_offset) for s in slots], dev, torch.long)
         self.last_index = upload([c - 1 for c in self.cu_q[1:]], dev, torch.long)
-        self.groups = self._length_groups() if decode else None
+        self.groups = None
+        if decode:  # runs of rows, the longest under twice the shortest, padded to the longest
+            lens, self.groups, start = self.k_lens, [], 0
+            for i in range(1, len(lens) + 1):
+                if i == len(lens) or 2 * lens[i] <= lens[start]:
+                    mask = None
+                    if lens[i - 1] < lens[start]:  # each row sees only its own key slots
+                        keys = torch.arange(lens[start], device=dev)
+                        mask = (keys < self.context_lens[start:i, None])[:, None, None]
+                    self.groups.append((start, i, lens[start], mask))
+                    start = i
         shape = (len(batch), 1) if decode else (1, len(ids))
         return (upload(ids, dev, torch.long).view(shape),
                 upload(positions, dev, torch.long).view(shape))
-
-    def _length_groups(self):
-        """Runs of rows whose longest is under twice their shortest, each padded to its longest."""
-        lens, groups, start = self.k_lens, [], 0
-        for i in range(1, len(lens) + 1):
-            if i == len(lens) or 2 * lens[i] <= lens[start]:
-                mask = None
-                if lens[i - 1] < lens[start]:  # each row sees only its own key slots
-                    keys = torch.arange(lens[start], device=self.device)
-                    mask = (keys < self.context_lens[start:i, None])[:, None, None]
-                groups.append((start, i, lens[start], mask))
-                start = i
-        return groups
 
     def write(self, layer, q, k, v):
         """Writes the step's K/V (one index_copy_) -> packed q [N, Hq, D], kv [N, 2, Hkv, D]."""
@@ -222,11 +219,25 @@ class PagedKVCache:
         return q.reshape(B * T, Hq, D), kv
 
     def attend(self, layer, q, k, v):
-        """Write first, then read: see the class docstring on prefix sharing."""
+        """Write first, then read (see the class docstring on prefix sharing). A prefill: one causal
+        attention per sequence, its cached tokens read from its blocks."""
         shape = q.shape
         q, kv = self.write(layer, q, k, v)
-        out = (self._attend_decode if self.decode else self._attend_prefill)(layer, q, kv)
-        return out.reshape(shape)
+        if self.decode:
+            return self._attend_decode(layer, q, kv).reshape(shape)
+        outs = []
+        for i, (q_len, k_len) in enumerate(zip(self.q_lens, self.k_lens)):
+            s, e = self.cu_q[i], self.cu_q[i + 1]
+            ki, vi, mask = kv[s:e, 0], kv[s:e, 1], None
+            if q_len < k_len:
+                blocks = self.block_tables[i, :-(-k_len // self.block_size)].long()
+                ki, vi = self._gather(layer, blocks).flatten(1, 2)[:, :k_len]
+                # query j sits at position k_len - q_len + j and sees keys up to there
+                mask = torch.ones(q_len, k_len, dtype=bool, device=q.device).tril(k_len - q_len)
+            qi, ki, vi = (t.transpose(0, 1)[None] for t in (q[s:e], ki, vi))  # [1, H, T, D]
+            out = sdpa(qi, ki, vi, mask)  # never the math kernel on CUDA (model.sdpa)
+            outs.append(out[0].transpose(0, 1))
+        return torch.cat(outs).reshape(shape)
 
     def _gather(self, layer, blocks):
         """K and V of the given blocks, copied into a scratch buffer: [2, n, block_size, Hkv, D]."""
@@ -252,22 +263,6 @@ class PagedKVCache:
             out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask)
             outs.append(out.reshape(end - start, Hq, D))
         return torch.cat(outs) if len(outs) > 1 else outs[0]
-
-    def _attend_prefill(self, layer, q, kv):
-        """One causal attention per sequence, its cached tokens read from its blocks."""
-        outs = []
-        for i, (q_len, k_len) in enumerate(zip(self.q_lens, self.k_lens)):
-            s, e = self.cu_q[i], self.cu_q[i + 1]
-            ki, vi, mask = kv[s:e, 0], kv[s:e, 1], None
-            if q_len < k_len:
-                blocks = self.block_tables[i, :-(-k_len // self.block_size)].long()
-                ki, vi = self._gather(layer, blocks).flatten(1, 2)[:, :k_len]
-                # query j sits at position k_len - q_len + j and sees keys up to there
-                mask = torch.ones(q_len, k_len, dtype=bool, device=q.device).tril(k_len - q_len)
-            qi, ki, vi = (t.transpose(0, 1)[None] for t in (q[s:e], ki, vi))  # [1, H, T, D]
-            out = sdpa(qi, ki, vi, mask)  # never the math kernel on CUDA (model.sdpa)
-            outs.append(out[0].transpose(0, 1))
-        return torch.cat(outs)
 
 
 def sample(logits, temperature, top_p, top_k, uniform):
@@ -355,9 +350,6 @@ class Engine:
         self.stats = dict(prefill_tokens=0, decode_tokens=0, shared_tokens=0, preemptions=0,
                           kv_pool_tokens=self.num_blocks * self.blocks.block_size, kv_peak_tokens=0)
 
-    def has_work(self):
-        return bool(self.waiting or self.running)
-
     def release(self, seq):
         self.blocks.release(seq)
         if seq in self.held:
@@ -390,7 +382,8 @@ class Engine:
         used = (self.num_blocks - len(self.blocks.free)) * self.blocks.block_size
         self.stats["kv_peak_tokens"] = max(self.stats["kv_peak_tokens"], used)
 
-    def _schedule_prefill(self):
+    def _schedule(self):
+        """-> (batch, decode): the waiting sequences that fit (a prefill), else the running ones."""
         batch, tokens = [], 0
         while self.waiting and len(self.running) + len(batch) < self.max_num_seqs:
             seq = self.waiting[0]
@@ -410,10 +403,8 @@ class Engine:
             self.stats["shared_tokens"] += seq.num_cached - before
             tokens += len(seq) - seq.num_cached
             batch.append(self.waiting.popleft())
-        return batch
-
-    def _schedule_decode(self):
-        batch = []
+        if batch:
+            return batch, False
         while self.running:
             seq = self.running.popleft()
             while self.blocks.blocks_missing(seq) > len(self.blocks.free):
@@ -426,13 +417,11 @@ class Engine:
                 self._grow(seq)
                 batch.append(seq)
         self.running = deque(batch)
-        return self.cache.decode_order(batch) if batch else []
+        return (self.cache.decode_order(batch) if batch else []), True
 
     @torch.inference_mode()
     def step(self):
-        batch = self._schedule_prefill()
-        decode = not batch
-        batch = self._schedule_decode() if decode else batch
+        batch, decode = self._schedule()
         if not batch:
             return []
         if decode and self.use_flash:  # bucketed, a CUDA graph replayed: fast_sampling.FlashKVCache
@@ -446,19 +435,6 @@ class Engine:
                 logits = self.model.lm_head(last).float()
             self.stats["decode_tokens" if decode else "prefill_tokens"] += input_ids.numel()
         self.running.extend([] if decode else batch)
-        for seq, (token, logp, *raw) in zip(batch, self._sample(batch, logits)):
-            seq.num_cached = len(seq)
-            seq.append([int(token)], True, logp, raw[0] if raw else None)
-            stop = int(token) in seq.params.stop_token_ids
-            full = seq.num_response >= seq.params.max_tokens
-            seq.finish_reason = "stop" if stop else "length" if full else None
-        stopped = [seq for seq in batch if seq.finish_reason]
-        if stopped:  # the running queue is rebuilt only when a sequence ends, not every step
-            self.running = deque(s for s in self.running if s.finish_reason is None)
-            self.held += stopped
-        return stopped
-
-    def _sample(self, batch, logits):
         params = [s.params for s in batch]
         if all(p.temperature == 0 for p in params):  # the eval / test path: no sort, no uniforms
             tokens = logits.argmax(-1)
@@ -471,7 +447,18 @@ class Engine:
         cols = [tokens.double(), logp.double()]
         if self.raw_logprobs:
             cols.append(torch.log_softmax(logits, -1).gather(1, tokens[:, None])[:, 0].double())
-        return torch.stack(cols, 1).tolist()  # the step's one read back to the host
+        rows = torch.stack(cols, 1).tolist()  # the step's one read back to the host
+        for seq, (token, logp, *raw) in zip(batch, rows):
+            seq.num_cached = len(seq)
+            seq.append([int(token)], True, logp, raw[0] if raw else None)
+            stop = int(token) in seq.params.stop_token_ids
+            full = seq.num_response >= seq.params.max_tokens
+            seq.finish_reason = "stop" if stop else "length" if full else None
+        stopped = [seq for seq in batch if seq.finish_reason]
+        if stopped:  # the running queue is rebuilt only when a sequence ends, not every step
+            self.running = deque(s for s in self.running if s.finish_reason is None)
+            self.held += stopped
+        return stopped
 
 
 def sequence_seed(seed, index):
@@ -495,7 +482,7 @@ def complete(model, prompts, max_new_tokens, temperature=0.0, top_p=1.0, top_k=0
     seqs = [Sequence(p, SamplingParams(temperature, top_p, top_k, b, stop), sequence_seed(seed, i))
             for i, (p, b) in enumerate(zip(prompts, budgets))]
     engine.waiting += [s for s in seqs if s.params.max_tokens > 0]
-    while engine.has_work():
+    while engine.waiting or engine.running:
         for seq in engine.step():
             engine.release(seq)
     return [Completion(s.token_ids[s.num_prompt:], s.logprobs,
@@ -591,31 +578,26 @@ class ChatFormat:
         messages = self.mark_messages(system + [{"role": "user", "content": prompt}])
         return self.encode(self.render(messages, True))
 
-    def pieces(self, role, n):
-        """The n + 1 template strings around n `role` messages: a reply's forced (mask 0) part."""
-        if (role, n) not in self._pieces:
-            slots = [self.CONTENT.format(i) for i in range(n)]
+    def forced_ids(self, role, contents):
+        """Ids after an assistant's end-of-turn, forced (mask 0): `role` messages of `contents`,
+        then the next prompt. The n + 1 template strings around n messages are rendered once."""
+        key = (role, len(contents))
+        if key not in self._pieces:
+            slots = [self.CONTENT.format(i) for i in range(len(contents))]
             text = self.render(self.PROBE + [{"role": role, "content": s} for s in slots], True)
             text = text.split(self.ASSISTANT, 1)[1]
             if not text.startswith(self.end_of_turn_text):
                 raise ValueError("chat template: assistant turn does not end with "
                                  f"{self.end_of_turn_text!r}")
             text = text[len(self.end_of_turn_text):]
-            self._pieces[(role, n)] = re.split("|".join(slots), text) if slots else [text]
-        return self._pieces[(role, n)]
-
-    def forced_ids(self, role, contents):
-        """Ids after an assistant's end-of-turn: `role` messages of `contents`, the next prompt."""
-        pieces = self.pieces(role, len(contents))
+            self._pieces[key] = re.split("|".join(slots), text) if slots else [text]
+        pieces = self._pieces[key]
         return self.encode("".join(p + self.mark(c) for p, c in zip(pieces, contents)) + pieces[-1])
 
 
-@dataclass
-class Tool:
-    """A tool the model may call: its schema (function.name names it) and `call(arguments, sandbox,
-    config) -> Future` of (status, reply) or the reply; a ValueError from call refuses the call."""
-    schema: dict
-    call: object
+# A tool the model may call: its schema (function.name names it) and `call(arguments, sandbox,
+# config) -> Future` of (status, reply) or the reply; a ValueError from call refuses the call.
+Tool = namedtuple("Tool", "schema call")
 
 
 def call_outcome(refusal, future):
@@ -723,11 +705,11 @@ class AgentLoop:
         agents = [Agent(i, j, Sequence(p, params, s)) for p, (i, j), s in zip(prompts, keys, seeds)]
         by_seq, waiting = {id(a.seq): a for a in agents}, []  # waiting: their tool calls are out
         self.engine.waiting += [a.seq for a in agents]
-        while self.engine.has_work() or waiting:
+        while self.engine.waiting or self.engine.running or waiting:
             for a in [a for a in waiting if all(f.done() for _, _, f in a.pending)]:
                 waiting.remove(a)
                 self._answer(a)
-            if self.engine.has_work():
+            if self.engine.waiting or self.engine.running:
                 for seq in self.engine.step():
                     if self._end_turn(by_seq[id(seq)]):
                         waiting.append(by_seq[id(seq)])
@@ -783,7 +765,7 @@ class AgentLoop:
             record["status"], record["output"] = call_outcome(refusal, future)
             agent.tool_calls.append(record)
         seq, outputs, agent.pending = agent.seq, [r["output"] for r, _, _ in agent.pending], []
-        forced = self.chat.forced_ids("tool", outputs)   # mask 0: ChatFormat.pieces
+        forced = self.chat.forced_ids("tool", outputs)   # mask 0
         room = seq.params.max_tokens - seq.num_response
         if len(forced) >= room:  # no room to sample after the reply: cut it at the budget
             seq.append(forced[:room], sampled=False)

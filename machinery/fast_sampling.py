@@ -245,7 +245,7 @@ register_optimizer_step_post_hook(_count_step)
 
 
 def transposed_weights(module, old=None):
-    """{Linear in module: (version, contiguous [in, out] copy of its weight)}, for `transposed`;
+    """{Linear in module: (version, contiguous [in, out] copy of its weight)}, for CpuForward;
     `old`'s entries whose weight is unchanged (storage, version counter, optimizer steps) reused."""
     new = {}
     # old holds the same modules: no walk of the module tree
@@ -254,18 +254,6 @@ def transposed_weights(module, old=None):
         version = (w.data_ptr(), -1 if w.is_inference() else w._version, OPTIMIZER_STEPS[0])
         new[m] = old[m] if old and old[m][0] == version else (version, w.detach().t().contiguous())
     return new
-
-
-@contextlib.contextmanager
-def transposed(copies):
-    """Inside, each Linear of `copies` multiplies by its transposed copy."""
-    for m, (_, wt) in copies.items():
-        m.__dict__["weight_t"] = wt  # not Module.__setattr__: this runs every decode step
-    try:
-        yield
-    finally:
-        for m in copies:
-            m.__dict__.pop("weight_t", None)
 
 
 class CpuForward:
@@ -284,6 +272,12 @@ class CpuForward:
         belongs inside the with block too, so that it also multiplies by its transposed copy."""
         if cache.device.type == "cpu":
             self.weights_t = transposed_weights(self.model, self.weights_t)
-        with transposed(self.weights_t):
+        copies = self.weights_t   # inside, each Linear of copies multiplies by its transposed copy
+        for m, (_, wt) in copies.items():
+            m.__dict__["weight_t"] = wt  # not Module.__setattr__: this runs every decode step
+        try:
             one_group = decode and self.compiled and len(cache.groups) == 1
             yield self.compiled if one_group else self.model.hidden
+        finally:
+            for m in copies:
+                m.__dict__.pop("weight_t", None)
