@@ -350,6 +350,9 @@ class Engine:
         self.stats = dict(prefill_tokens=0, decode_tokens=0, shared_tokens=0, preemptions=0,
                           kv_pool_tokens=self.num_blocks * self.blocks.block_size, kv_peak_tokens=0)
 
+    def has_work(self):
+        return bool(self.waiting or self.running)
+
     def release(self, seq):
         self.blocks.release(seq)
         if seq in self.held:
@@ -482,7 +485,7 @@ def complete(model, prompts, max_new_tokens, temperature=0.0, top_p=1.0, top_k=0
     seqs = [Sequence(p, SamplingParams(temperature, top_p, top_k, b, stop), sequence_seed(seed, i))
             for i, (p, b) in enumerate(zip(prompts, budgets))]
     engine.waiting += [s for s in seqs if s.params.max_tokens > 0]
-    while engine.waiting or engine.running:
+    while engine.has_work():
         for seq in engine.step():
             engine.release(seq)
     return [Completion(s.token_ids[s.num_prompt:], s.logprobs,
@@ -705,11 +708,11 @@ class AgentLoop:
         agents = [Agent(i, j, Sequence(p, params, s)) for p, (i, j), s in zip(prompts, keys, seeds)]
         by_seq, waiting = {id(a.seq): a for a in agents}, []  # waiting: their tool calls are out
         self.engine.waiting += [a.seq for a in agents]
-        while self.engine.waiting or self.engine.running or waiting:
+        while self.engine.has_work() or waiting:
             for a in [a for a in waiting if all(f.done() for _, _, f in a.pending)]:
                 waiting.remove(a)
                 self._answer(a)
-            if self.engine.waiting or self.engine.running:
+            if self.engine.has_work():
                 for seq in self.engine.step():
                     if self._end_turn(by_seq[id(seq)]):
                         waiting.append(by_seq[id(seq)])
