@@ -345,7 +345,7 @@ def available_cores() -> int:
     cores = len(os.sched_getaffinity(0))
     for quota_file, period_file in (("cpu.max", "cpu.max"),
                                     ("cpu/cpu.cfs_quota_us", "cpu/cpu.cfs_period_us")):
-        with contextlib.suppress(OSError, ValueError):
+        with contextlib.suppress(OSError, ValueError, IndexError, ZeroDivisionError):  # no quota
             quota, period = (open("/sys/fs/cgroup/" + f).read().split()[i]
                              for f, i in ((quota_file, 0), (period_file, -1)))
             if quota not in ("max", "-1"):
