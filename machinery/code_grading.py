@@ -15,6 +15,7 @@ from itertools import zip_longest
 
 # stdout and stderr kept per test run: one fixed cap, never derived from a test
 GRADING_OUTPUT_LIMIT = 8 << 20
+MEMORY_MB = 1024                   # a test run's address space, on top of the warm interpreter
 
 # lcb_runner/evaluation/testing_util.py's import_string, before stdin and functional programs.
 _LCB_MODULES = ("string re datetime collections heapq bisect copy math random statistics "
@@ -384,11 +385,16 @@ class _AssertTest:
             if said is None or not len(self.answers) == len(lines) == len(self.calls):
                 self.passed = False    # a call its test could not make either, or no record
                 return
-            if self.literal is not None and self.answers:
-                self.passed = self._judge_here()
-                if self.passed is not None:
-                    return
-            self.stage = "check"
+            if self.literal is not None and self.answers:      # the literal comparison, here
+                _, kind, value = self.answers[0]
+                try:
+                    self.passed = kind == "value" and bool(self.literal(_decode(value, {})))
+                except KeyError:       # the value holds a prefix class: the test's run decides
+                    pass
+                except Exception:      # not a value, too deep, ...: no pass
+                    self.passed = False
+            if self.passed is None:
+                self.stage = "check"
         elif said == "pass":
             self.passed = True
         elif said and said.startswith("need ") and self.rounds < MAX_ROUNDS:
@@ -400,18 +406,6 @@ class _AssertTest:
             self.rounds, self.stage, self.asked = self.rounds + 1, "solution", int(index)
         else:
             self.passed = False
-
-    def _judge_here(self):
-        """The literal comparison; None where the value holds a prefix class (the test's run's)."""
-        _, kind, value = self.answers[0]
-        if kind != "value":
-            return False
-        try:
-            return bool(self.literal(_decode(value, {})))
-        except KeyError:
-            return None
-        except Exception:              # not a value, too deep, ...: no pass
-            return False
 
 
 class _OneRun:
@@ -452,7 +446,7 @@ def _tests(source, tests):
             for case in cases]
 
 
-def run_tests(program, tests, timeout=6.0, stop_on_failure=False, memory_mb=1024, sandbox=None):
+def run_tests(program, tests, timeout=6.0, stop_on_failure=False, sandbox=None):
     """Per-test pass/fail of `program` on `tests`, run in the sandbox, compared here; concurrent
     unless `stop_on_failure` (one by one, the first failure fails the rest unrun)."""
     source = program if isinstance(program, str) else ""
@@ -463,7 +457,7 @@ def run_tests(program, tests, timeout=6.0, stop_on_failure=False, memory_mb=1024
 
     def send(test):
         code, stdin = test.next_run()
-        return box.submit(code, timeout, memory_mb, stdin, output_limit=GRADING_OUTPUT_LIMIT)
+        return box.submit(code, timeout, MEMORY_MB, stdin, output_limit=GRADING_OUTPUT_LIMIT)
 
     def settle(group):                 # every test of `group` decided, their runs concurrent
         running = {send(test): test for test in group if test.passed is None}

@@ -158,13 +158,6 @@ def install_seccomp(program: list, pid: int) -> None:
     prctl(_PR_SET_SECCOMP, 2, ctypes.addressof(fprog))               # SECCOMP_MODE_FILTER
 
 
-def landlock_abi() -> int:
-    """The kernel's Landlock ABI version, 0 when Landlock is missing or disabled."""
-    with contextlib.suppress(OSError):
-        return max(0, _syscall(_NR_LANDLOCK_CREATE, 0, 0, 1))
-    return 0
-
-
 class Landlock:
     """A worker's ruleset over O_PATH descriptors it keeps; each child adds its cwd, restricts."""
 
@@ -221,15 +214,6 @@ def enter_mount_namespace(workdir: str, disk_mb: float, userns: bool,
     _check(_libc.mount(b"sandbox", workdir.encode(), b"tmpfs", 2 | 4 | 8, options.encode()),
            "mount(tmpfs)")
     os.chdir(workdir)                                          # into the tmpfs, not beneath it
-
-
-def closed_above(paths: list) -> list:
-    """The topmost directories above `paths` other users may not enter (pyenv under /root)."""
-    found = set()
-    for parts in (path.split("/") for path in paths):
-        aboves = ("/".join(parts[:i]) for i in range(2, len(parts)))
-        found.add(next((a for a in aboves if not os.stat(a).st_mode & stat.S_IXOTH), ""))
-    return sorted(found - {""})
 
 
 def worker_namespace(closed: list, keep: list, hide: bool) -> bool:
@@ -345,7 +329,7 @@ def available_cores() -> int:
     cores = len(os.sched_getaffinity(0))
     for quota_file, period_file in (("cpu.max", "cpu.max"),
                                     ("cpu/cpu.cfs_quota_us", "cpu/cpu.cfs_period_us")):
-        with contextlib.suppress(OSError, ValueError):
+        with contextlib.suppress(OSError, ValueError, IndexError, ZeroDivisionError):  # no quota
             quota, period = (open("/sys/fs/cgroup/" + f).read().split()[i]
                              for f, i in ((quota_file, 0), (period_file, -1)))
             if quota not in ("max", "-1"):
@@ -413,7 +397,12 @@ def _try_mount(directory: str, userns: bool) -> dict:
 
 
 def _try_uid(uid: int, paths: list) -> dict:
-    found = {"why": None, "expose": closed_above(paths), "nproc": False, "hide_proc": False}
+    # "expose": the topmost directories above `paths` other users may not enter (pyenv under /root)
+    closed = set()
+    for parts in (path.split("/") for path in paths):
+        aboves = ("/".join(parts[:i]) for i in range(2, len(parts)))
+        closed.add(next((a for a in aboves if not os.stat(a).st_mode & stat.S_IXOTH), ""))
+    found = {"why": None, "expose": sorted(closed - {""}), "nproc": False, "hide_proc": False}
     try:
         try:
             found["hide_proc"] = worker_namespace(found["expose"], paths, True)

@@ -8,6 +8,7 @@ import concurrent.futures
 import ctypes
 import errno
 import hashlib
+import io
 import itertools
 import json
 import os
@@ -203,7 +204,7 @@ def test_capabilities_are_in_force(box, caps):
     assert caps["rlimits"]["NOFILE"] == sandbox_pool.MAX_OPEN_FILES and caps["rlimits"]["FSIZE"] > 0
     assert caps["worker_threads"] == 1                # forking a threaded worker is unsafe
     if "landlock" not in box.off:
-        assert caps["landlock_abi"] == confine.landlock_abi() >= 1 and caps["verified"]["host_file_blocked"]
+        assert caps["landlock_abi"] == confine._syscall(confine._NR_LANDLOCK_CREATE, 0, 0, 1) >= 1 and caps["verified"]["host_file_blocked"]
     if "mount" not in box.off:
         assert caps["namespace"].startswith("mount") and caps["verified"]["host_read_only"]
         assert caps["disk_quota"] == f"tmpfs {sandbox_pool.DEFAULT_DISK_MB} MiB"
@@ -1444,6 +1445,15 @@ def test_pool_recovers_when_a_zygote_takes_its_directory():
             time.sleep(0.02)
         assert not os.path.exists(pool.root)
         assert pool.run("print(2)", timeout=10).stdout == "2\n"
+
+
+@pytest.mark.parametrize("text", ["", "max\n", "-1\n", "50000 0\n"])
+def test_a_cgroup_cpu_file_without_a_quota_leaves_the_affinity(monkeypatch, text):
+    """An empty cgroup file (or a zero period) is no quota, as an unreadable or malformed one."""
+    real_open = open
+    monkeypatch.setattr(confine, "open", lambda path, *a: io.StringIO(text)
+                        if path.startswith("/sys/fs/cgroup/") else real_open(path, *a), raising=False)
+    assert confine.available_cores() == len(os.sched_getaffinity(0))
 
 
 def test_default_pool_replaced_when_broken_configured_and_checked(monkeypatch):
