@@ -488,12 +488,11 @@ def main(argv=None):
                                        gather_objects, print0, resolve_model, same_model,
                                        start_sandbox)
     allocator_defaults()  # before CUDA starts
-    import torch
     from machinery import eval_resume
     from machinery.checkpoints import claim
     from machinery.exits import quiet_interrupt
     from machinery.run_log import Metrics
-    from model import Transformer, attention_path
+    from model import DTYPES, Transformer, attention_path
     from transformers import AutoTokenizer
     argv = sys.argv[1:] if argv is None else argv
     cfg = parse_config(argv or ["--preset=toy"])
@@ -516,7 +515,7 @@ def main(argv=None):
             this = sys.modules[__name__]  # its graders are part of the key
             eval_resume.reuse_or_start_fresh(out_dir, eval_resume.key(cfg, device, this))
         barrier()
-        dtype = getattr(torch, cfg.dtype) if cfg.dtype else compute_dtype(device)
+        dtype = DTYPES[cfg.dtype] if cfg.dtype else compute_dtype(device)  # check()'s choices
         model = Transformer.from_pretrained(cfg.model, device=device, dtype=dtype).eval()
         model.attn_backend = cfg.attn_backend
         if device.type == "cuda" or cfg.attn_backend == "flash":

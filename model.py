@@ -103,7 +103,7 @@ class RMSNorm(nn.Module):
 
 
 def rope_cos_sin(positions, head_dim, theta, dtype):
-    """positions [B, T] -> cos, sin [B, T, 1, D]; sin carries rotate-half's sign (apply_rope)."""
+    """positions [B, T] -> cos, sin [B, T, 1, D]; sin carries rotate-half's sign (Attention)."""
     exponents = torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim
     inv_freq = 1.0 / theta ** exponents
     freqs = positions[..., None].float() * inv_freq  # [B, T, D/2]
@@ -111,11 +111,6 @@ def rope_cos_sin(positions, head_dim, theta, dtype):
     cos = torch.cat([cos, cos], -1).to(dtype)[:, :, None]
     sin = torch.cat([-sin, sin], -1).to(dtype)[:, :, None]
     return cos, sin
-
-
-def apply_rope(x, cos, sin):
-    # rotate-half: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin); roll gives (x2, x1), sin the sign
-    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
 
 
 def use_flash(backend, device, dtype):
@@ -175,9 +170,7 @@ def attention(q, k, v, packed=None, backend="auto"):
                                      cu, cu, longest, longest, causal=True)
         return out.view(B, T, *out.shape[1:])
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))                                 # [B, H, T, D]
-    if packed is None:
-        return sdpa(q, k, v).transpose(1, 2)
-    bounds = packed[1]  # one causal attention per packed sequence, never across them
+    bounds = [0, T] if packed is None else packed[1]  # one causal attention per packed sequence
     out = [sdpa(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e]) for s, e in zip(bounds, bounds[1:])]
     return torch.cat(out, 2).transpose(1, 2)
 
@@ -216,7 +209,9 @@ class Attention(nn.Module):
             weight = torch.cat([self.q_norm.weight.expand(self.n_heads, -1),
                                 self.k_norm.weight.expand(self.n_kv, -1)])
             qk = weight * F.rms_norm(qk.float(), (self.head_dim,), eps=self.q_norm.eps).to(qk.dtype)
-        q, k = apply_rope(qk, cos, sin).split([self.n_heads, self.n_kv], dim=2)
+        # rotate-half: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin); roll: (x2, x1), sin: the sign
+        qk = qk * cos + qk.roll(self.head_dim // 2, -1) * sin
+        q, k = qk.split([self.n_heads, self.n_kv], dim=2)
         out = (attention(q, k, v, packed, backend) if kv_cache is None
                else kv_cache.attend(self.layer_idx, q, k, v))
         return self.o_proj(out.reshape(B, T, -1))
@@ -324,11 +319,10 @@ class Transformer(nn.Module):
         if cu_seqlens is not None:  # the one host read of a packed forward
             assert B == 1, "packed input (cu_seqlens) needs batch size 1"
             bounds = cu_seqlens.tolist()
-            packed = (cu_seqlens.to(device=input_ids.device, dtype=torch.int32), bounds,
-                      max(e - s for s, e in zip(bounds, bounds[1:])))
+            lengths = [e - s for s, e in zip(bounds, bounds[1:])]
+            packed = (cu_seqlens.to(input_ids.device, torch.int32), bounds, max(lengths))
             if positions is None:  # restart at 0 at every sequence
-                positions = torch.cat([torch.arange(e - s) for s, e in zip(bounds, bounds[1:])])
-                positions = positions.to(input_ids.device)[None]
+                positions = torch.cat([torch.arange(n) for n in lengths]).to(input_ids.device)[None]
         if positions is None:
             positions = torch.arange(T, device=input_ids.device).expand(B, T)
         x = self.model.embed_tokens(input_ids)
@@ -406,9 +400,15 @@ class Transformer(nn.Module):
         dtype = dtype or (torch.float32 if device.type == "cpu" else stored)
         with torch.device("meta"):
             model = cls(config)
+        index, files = os.path.join(path, "model.safetensors.index.json"), ["model.safetensors"]
+        if os.path.exists(index):
+            with open(index) as f:
+                files = sorted(set(json.load(f)["weight_map"].values()))
+        elif not os.path.exists(os.path.join(path, files[0])):
+            raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json")
         state = {}
-        for file in checkpoint_files(path):
-            with safe_open(file, framework="pt", device=str(device)) as f:
+        for file in files:
+            with safe_open(os.path.join(path, file), framework="pt", device=str(device)) as f:
                 state.update({k: f.get_tensor(k).to(dtype=dtype) for k in f.keys()})
         if config.tie_word_embeddings:
             state.pop("lm_head.weight", None)
@@ -463,16 +463,6 @@ class Transformer(nn.Module):
                 json.dump(index, f, indent=2)
         with open(os.path.join(path, "config.json"), "w") as f:
             json.dump(dict(cfg.to_dict(), torch_dtype=dtype_name, dtype=dtype_name), f, indent=2)
-
-
-def checkpoint_files(path):
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.exists(index):
-        with open(index) as f:
-            return [os.path.join(path, n) for n in sorted(set(json.load(f)["weight_map"].values()))]
-    if os.path.exists(os.path.join(path, "model.safetensors")):
-        return [os.path.join(path, "model.safetensors")]
-    raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json")
 
 
 def cu_seqlens_from_lengths(lengths, device=None):

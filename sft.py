@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from data import toy
 from machinery import flags
 from machinery.checkpoints import (check_resume, checkpoints, claim, latest_resumable,
                                    load_checkpoint, save_checkpoint)
@@ -254,33 +255,9 @@ def packed_nll(model, mb):
     return -(model.token_logprobs(ids, targets, cu_seqlens=cu) * mask).sum()
 
 
-def lr_lambda(cfg, total_steps):
-    """Linear warmup over warmup_ratio of the steps, then cosine to zero (verl's schedule)."""
-    warmup = int(cfg.warmup_ratio * total_steps)
-
-    def factor(step):
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
-        return 0.5 * (1.0 + math.cos(math.pi * progress))
-    return factor
-
-
 def data_order(n, seed, epoch):
     generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
     return torch.randperm(n, generator=generator).tolist()
-
-
-def inputs(cfg, rank):
-    """(base model dir, data file); the toy preset builds both on rank 0 (data/toy.py, tiny.py)."""
-    if cfg.model == "toy" or cfg.data == "toy":
-        from data import toy
-        if rank == 0:
-            toy.ensure(sft=True, base_dir=os.path.join(cfg.out_dir, "base"), seed=cfg.seed)
-        barrier()
-        base = os.path.join(cfg.out_dir, "base") if cfg.model == "toy" else resolve_model(cfg.model)
-        return base, toy.SFT_DATA if cfg.data == "toy" else cfg.data
-    return resolve_model(cfg.model), cfg.data
 
 
 @dataclass
@@ -357,7 +334,13 @@ def setup(cfg, rank, world, device, sharded):
         for name in os.listdir(cfg.out_dir):  # leftovers of a run killed while saving
             if name.startswith(".tmp_step_"):
                 shutil.rmtree(os.path.join(cfg.out_dir, name), ignore_errors=True)
-    base_path, data_path = inputs(cfg, rank)
+    toy_base = os.path.join(cfg.out_dir, "base")
+    if cfg.model == "toy" or cfg.data == "toy":  # the toy preset: rank 0 builds base and data
+        if rank == 0:
+            toy.ensure(sft=True, base_dir=toy_base, seed=cfg.seed)
+        barrier()
+    base_path = toy_base if cfg.model == "toy" else resolve_model(cfg.model)
+    data_path = toy.SFT_DATA if cfg.data == "toy" else cfg.data
     check_shared(cfg.out_dir, [data_path, base_path])
     tokenizer = AutoTokenizer.from_pretrained(base_path)
     t0 = time.time()
@@ -384,7 +367,14 @@ def setup(cfg, rank, world, device, sharded):
         print0(attention_path(cfg.attn_backend, device, compute_dtype(device)))
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                                   weight_decay=cfg.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, total_steps))
+    warmup = int(cfg.warmup_ratio * total_steps)
+
+    def lr_factor(step):  # linear warmup over warmup_ratio of the steps, then cosine to zero (verl)
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
     print0(f"model {base_path}: {model.num_params() / 1e6:.1f}M parameters, {world} rank(s) on "
            f"{device.type}, {total_steps} steps of {cfg.batch_size} trajectories "
            f"({steps_per_epoch} per epoch)")
