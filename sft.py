@@ -27,7 +27,6 @@ short last batch of an epoch is dropped.
 import json
 import math
 import os
-import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -329,11 +328,6 @@ def setup(cfg, rank, world, device, sharded):
     """Data (rendered, a held-out split chosen by seed, the short last batch dropped), model,
     optimizer and schedule (resumed when asked), the metrics file."""
     from transformers import AutoTokenizer
-    if rank == 0:
-        os.makedirs(cfg.out_dir, exist_ok=True)
-        for name in os.listdir(cfg.out_dir):  # leftovers of a run killed while saving
-            if name.startswith(".tmp_step_"):
-                shutil.rmtree(os.path.join(cfg.out_dir, name), ignore_errors=True)
     toy_base = os.path.join(cfg.out_dir, "base")
     if cfg.model == "toy" or cfg.data == "toy":  # the toy preset: rank 0 builds base and data
         if rank == 0:

@@ -45,8 +45,8 @@ def claim(out_dir, stage, resume=None):
     """The run's hold on out_dir, for a with block: rank 0 holds an flock on out_dir/.lock (let go
     when the process ends, even by kill -9), so a second run into it stops with one line naming
     the first. resume (the trainers'): a run that starts fresh (--resume=false, or nothing to
-    resume) moves a run already in out_dir aside to out_dir.replaced-N, and says so. A collective:
-    every rank stops, or none."""
+    resume) moves a run already in out_dir aside to out_dir.replaced-N, and says so; a killed
+    save's .tmp_step_* folders go. A collective: every rank stops, or none."""
     held, problem = None, None
     if dist.get_rank() == 0:
         os.makedirs(out_dir, exist_ok=True)
@@ -64,9 +64,12 @@ def claim(out_dir, stage, resume=None):
         except OSError as e:  # a filesystem without locks (some network ones)
             print(f"{out_dir}: cannot lock it ({e.strerror}); nothing stops a second run from "
                   f"writing there", flush=True)
-        fresh = resume is not None and not (resume and checkpoints(out_dir, resumable=True))
-        if not problem and fresh:
-            move_aside(out_dir, stage)
+        if not problem and resume is not None:  # the trainers'
+            if not (resume and checkpoints(out_dir, resumable=True)):
+                move_aside(out_dir, stage)
+            for name in os.listdir(out_dir):  # leftovers of a run killed while saving
+                if name.startswith(".tmp_step_"):
+                    shutil.rmtree(os.path.join(out_dir, name), ignore_errors=True)
     try:
         if problem := broadcast_object(problem):
             raise SystemExit(problem)
@@ -77,8 +80,7 @@ def claim(out_dir, stage, resume=None):
 
 
 def move_aside(out_dir, stage):
-    """A run's files in out_dir (checkpoints, metrics, summary, all beside them) into a new
-    out_dir.replaced-N, and a line saying so."""
+    """For claim: a run's files in out_dir (if any) into a new out_dir.replaced-N, and a line."""
     names = [n for n in os.listdir(out_dir) if n != LOCK]
     if not any(n.startswith("step_") or n in ("metrics.jsonl", "summary.json") for n in names):
         return

@@ -1,9 +1,7 @@
-"""machinery/distributed.py: what the stages share to run as one process or under torchrun:
-set-up, the few collectives the trainers use (none runs in a one-process run), rank-0 printing,
-hub-id resolution, FSDP2 model building, the sandbox's start-up check; and what makes a run over
-several nodes right, or stops it in one line at start-up (every rank sees rank 0's out_dir and
-inputs and evaluates the same model, long per-rank work waits on a group of its own, `srun
-python` without torchrun is refused). README ("More than one node") says how to launch."""
+"""machinery/distributed.py: what the stages share to run as one process or under torchrun, and
+the start-up checks that make a run over several nodes right or stop it in one line (every rank
+sees rank 0's out_dir and inputs and evaluates the same model, `srun python` without torchrun is
+refused). README ("More than one node") says how to launch."""
 
 import contextlib
 import hashlib
@@ -43,7 +41,14 @@ def setup_distributed(device="auto", timeout_minutes=None):
     if dist.is_initialized():
         cuda = dist.get_backend() == "nccl"
     else:
-        refuse_bare_srun()
+        # `srun python rl.py` starts one copy per Slurm task, each unaware of the others (no
+        # RANK): N runs on one out_dir. srun sets the step's task count, a batch script's shell not.
+        tasks = os.environ.get("SLURM_STEP_NUM_TASKS") or "1"
+        if "RANK" not in os.environ and "SLURM_PROCID" in os.environ and int(tasks) > 1:
+            raise SystemExit(f"Slurm task {os.environ['SLURM_PROCID']} of {tasks} without "
+                             f"torchrun: each would train alone; launch one torchrun per node: "
+                             f"`srun --ntasks-per-node=1 torchrun --nnodes $SLURM_NNODES ...` "
+                             f"(README: More than one node)")
         cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
         alone = {} if "RANK" in os.environ else dict(store=dist.HashStore(), rank=0, world_size=1)
         timeout = timedelta(minutes=timeout_minutes) if timeout_minutes else DIST_TIMEOUT
@@ -105,8 +110,9 @@ def all_reduce(values, device, op=dist.ReduceOp.SUM):
     return t.tolist()
 
 
-def _all_gather(obj, long_wait=False):
-    """Every rank's obj in rank order (long_wait: on gather_group)."""
+def gather_objects(obj, long_wait=True):
+    """Every rank's obj in rank order, on gather_group: for gathers after long per-rank work
+    (long_wait=False: on the default group)."""
     if world_size() == 1:
         return [obj]
     parts = [None] * dist.get_world_size()
@@ -115,13 +121,8 @@ def _all_gather(obj, long_wait=False):
 
 
 def all_gather_list(items):
-    """Every rank's list of picklable items, concatenated in rank order."""
-    return [x for part in _all_gather(list(items)) for x in part]
-
-
-def gather_objects(obj):
-    """Every rank's obj in rank order, on gather_group: for gathers after long per-rank work."""
-    return _all_gather(obj, long_wait=True)
+    """Every rank's list of picklable items, concatenated in rank order (on the default group)."""
+    return [x for part in gather_objects(list(items), long_wait=False) for x in part]
 
 
 def broadcast_object(obj):
@@ -230,16 +231,6 @@ def clip_grads(model, max_norm):
     return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # FSDP2: a DTensor
 
 
-def refuse_bare_srun(env=os.environ):
-    """`srun python rl.py` starts one copy per Slurm task, each unaware of the others (no RANK):
-    N runs on one out_dir, refused. srun sets the step's task count, a batch script's shell not."""
-    tasks = env.get("SLURM_STEP_NUM_TASKS") or "1"
-    if "RANK" not in env and "SLURM_PROCID" in env and int(tasks) > 1:
-        raise SystemExit(f"Slurm task {env['SLURM_PROCID']} of {tasks} without torchrun: each "
-                         f"would train alone; launch one torchrun per node: `srun --ntasks-per-node"
-                         f"=1 torchrun --nnodes $SLURM_NNODES ...` (README: More than one node)")
-
-
 # ---------------------------------------------------------------- several nodes
 def host():
     return f"{socket.gethostname()}:{os.getcwd()}"
@@ -266,8 +257,7 @@ def check_shared(out_dir, inputs):
     marker = os.path.join(out_dir, ".shared_check")
     token = f"{host()} {time.time_ns()}" if rank == 0 else None
     if rank == 0:
-        os.makedirs(out_dir, exist_ok=True)
-        with open(marker, "w") as f:
+        with open(marker, "w") as f:  # out_dir: made by checkpoints.claim, which comes first
             f.write(token)
     token, seen = broadcast_object((token, [_describe(p) for p in inputs] if rank == 0 else None))
     try:

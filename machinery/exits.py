@@ -8,7 +8,6 @@ import os
 import shutil
 import sys
 
-
 DISK = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is used up",
         errno.EROFS: "the disk is read-only"}
 

@@ -5,8 +5,7 @@ tokens, so the plan cannot drift: generate, old_logprob, update (two micro-batch
 between them shows in the second), optimizer. A sequence longer than a micro-batch goes alone
 (rl.pack), so none is planned shorter than full length. Resident throughout: AdamW's fp32 moments,
 with flash-attn the decode graphs' outputs, and the KV pool (usable memory less OUTSIDE less the
-largest phase peak).
-"""
+largest phase peak)."""
 
 from types import SimpleNamespace
 
@@ -105,9 +104,7 @@ def cuda_peaks(model, cfg, device, world, rl, flash):
         current[0] = name
         torch.cuda.reset_peak_memory_stats(device)
 
-    opt = probe_optimizer(model, cfg)
-    run_phases(model, opt, cfg, device, world, mark, rl, flash)
-    del opt
+    run_phases(model, probe_optimizer(model, cfg), cfg, device, world, mark, rl, flash)
     torch.cuda.empty_cache()
     return peaks
 

@@ -136,8 +136,7 @@ def step_metrics(step, everyone, groups, updates, mismatch, device, engine_stats
            **mismatch, "updates": len(updates), "kv_pool_tokens": engine_stats["kv_pool_tokens"],
            "preemptions": int(preemptions), "kv_peak_tokens": int(kv_peak)}
     for k in ("loss", "clip_high", "clip_low", "clip_dual", "approx_kl", "ref_kl", "grad_norm"):
-        vals = [u[k] for u in updates if k in u]
-        if vals:
+        if vals := [u[k] for u in updates if k in u]:
             rec[k] = sum(vals) / len(vals)
     if updates:
         rec["grad_norm_max"] = max(u["grad_norm"] for u in updates)

@@ -99,9 +99,11 @@ def test_a_second_run_into_one_out_dir_is_refused_and_a_killed_one_never_wedges_
         first.send_signal(signal.SIGKILL)
         first.wait()
     newest = max(int(n[5:]) for n in os.listdir(out) if n.startswith("step_") and n[5:].isdigit())
+    (out / ".tmp_step_999999" / "train_state").mkdir(parents=True)   # as a save killed midway
     # kill -9 left the lock file behind: the next run takes it, resumes and finishes
     rl.main(tiny_rl(tiny_ckpt, problems, out, steps=newest + 1, resume_override="true"))
     assert json.load(open(out / "summary.json"))["steps"] == newest + 1
+    assert not [n for n in os.listdir(out) if n.startswith(".tmp_step_")]   # the leftover swept
 
 
 def sft_records(path, n=24):
@@ -130,9 +132,11 @@ def test_sft_saves_as_it_goes_and_the_same_command_resumes(tiny_ckpt, tmp_path, 
         sft.main(argv)
     assert stop.value.code == 130
     assert "the newest checkpoint is" in capsys.readouterr().err
+    (out / ".tmp_step_000003" / "train_state").mkdir(parents=True)   # as a save killed midway
     monkeypatch.setattr(sft, "save", real_save)
     sft.main(argv)                                  # the same command: resumed, not started over
     assert f"resumed from {out / 'step_000002'} at step 2" in capsys.readouterr().out
+    assert not (out / ".tmp_step_000003").exists()  # the leftover swept at start
     steps = [r["step"] for r in map(json.loads, open(out / "metrics.jsonl"))
              if r.get("event") == "train"]
     assert steps == [1, 2, 3, 4]
