@@ -277,6 +277,7 @@ class Run:  # what the loop works with, built by setup()
     optimizer: torch.optim.Optimizer
     scheduler: object
     metrics: Metrics
+    save_dtype: torch.dtype    # of the saved HF weights
 
 
 def train(cfg):
@@ -313,7 +314,12 @@ def train(cfg):
             run_tokens, run_time = run_tokens + entry["tokens"], run_time + entry["seconds"]
             if cfg.eval_every and run.step % cfg.eval_every == 0 and run.step != run.total_steps:
                 held_out(run, run.step)
-            path = save(run) or path
+            last = run.step == run.total_steps
+            if last or (cfg.save_every and run.step % cfg.save_every == 0):
+                trainer = dict(config=asdict(cfg), scheduler=run.scheduler.state_dict())
+                path = save_checkpoint(cfg.out_dir, run.step, run.model, run.optimizer,
+                                       run.tokenizer, trainer, run.base_path, run.save_dtype,
+                                       cfg.keep_train_state, last=last)
         bar.close()
         eval_loss = held_out(run, run.step) if path else None
         path = path or checkpoints(cfg.out_dir)[-1][1]  # a resumed, finished run trained nothing
@@ -382,7 +388,8 @@ def setup(cfg, rank, world, device, sharded):
     metrics = Metrics(os.path.join(cfg.out_dir, "metrics.jsonl"), cfg, step)
     return Run(cfg, rank, world, device, base_path, tokenizer, train_seqs, eval_seqs,
                [len(s[0]) for s in train_seqs], steps_per_epoch, total_steps, step, model,
-               optimizer, scheduler, metrics)
+               optimizer, scheduler, metrics,
+               DTYPES[model.config.dtype if cfg.save_dtype == "auto" else cfg.save_dtype])
 
 
 def held_out(run, at):
@@ -440,18 +447,6 @@ def log_step(run, epoch, batch, micro, loss_sum, loss_tokens, grad_norm, lr, t0,
                f"{grad_norm:.3f} {entry['tokens_per_s']:.0f} tok/s, waste "
                f"{entry['padding_waste']:.1%}")
     return entry
-
-
-def save(run):
-    """A checkpoint every save_every steps and after the last; its path, or None."""
-    cfg = run.cfg
-    if not ((cfg.save_every and run.step % cfg.save_every == 0) or run.step == run.total_steps):
-        return None
-    save_dtype = DTYPES[run.model.config.dtype if cfg.save_dtype == "auto" else cfg.save_dtype]
-    trainer = dict(config=asdict(cfg), scheduler=run.scheduler.state_dict())
-    return save_checkpoint(cfg.out_dir, run.step, run.model, run.optimizer, run.tokenizer,
-                           trainer, run.base_path, save_dtype, cfg.keep_train_state,
-                           last=run.step == run.total_steps)
 
 
 def main(argv=None):

@@ -121,19 +121,19 @@ def test_sft_saves_as_it_goes_and_the_same_command_resumes(tiny_ckpt, tmp_path, 
     argv = [f"--model={tiny_ckpt}", f"--data={sft_records(tmp_path / 'd.jsonl')}",
             f"--out_dir={out}", "--batch_size=4", "--max_steps=4", "--save_every=2",
             "--eval_size=0", "--max_len=256", "--micro_batch_tokens=1024", "--progress=false"]
-    real_save = sft.save
+    real_log_step = sft.log_step
 
-    def ctrl_c_after_step_3(run):
+    def ctrl_c_in_step_3(run, *args):
         if run.step == 3:
             raise KeyboardInterrupt
-        return real_save(run)
-    monkeypatch.setattr(sft, "save", ctrl_c_after_step_3)
+        return real_log_step(run, *args)
+    monkeypatch.setattr(sft, "log_step", ctrl_c_in_step_3)
     with pytest.raises(SystemExit) as stop:
         sft.main(argv)
     assert stop.value.code == 130
     assert "the newest checkpoint is" in capsys.readouterr().err
     (out / ".tmp_step_000003" / "train_state").mkdir(parents=True)   # as a save killed midway
-    monkeypatch.setattr(sft, "save", real_save)
+    monkeypatch.setattr(sft, "log_step", real_log_step)
     sft.main(argv)                                  # the same command: resumed, not started over
     assert f"resumed from {out / 'step_000002'} at step 2" in capsys.readouterr().out
     assert not (out / ".tmp_step_000003").exists()  # the leftover swept at start
