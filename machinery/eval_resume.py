@@ -1,7 +1,6 @@
-"""machinery/eval_resume.py: evaluate.py reuses the samples in --out only when all that changes an
-answer or its grade is the same (model files, sampling and tool settings, problem files, graders'
-source): their key is in <out>/resume_key.json; another key moves the old trajectories aside
-(trajectories*.jsonl.replaced) and starts fresh. One line says which it did and why."""
+"""machinery/eval_resume.py: evaluate.py reuses the samples in --out only when all that makes or
+grades them is unchanged (model, settings, problems, graders' source: <out>/resume_key.json); else
+it moves them aside (trajectories*.jsonl.replaced) and starts fresh; one line says which and why."""
 
 import glob
 import hashlib

@@ -55,11 +55,10 @@ link 86 - linkat 265 37 rename 82 - renameat 264 38 renameat2 316 276""".split()
 _SYSCALLS = {arch: {name: int(nr) for name, nr in zip(_TABLE[::3], _TABLE[column::3])
                     if nr != "-"} for column, arch in ((1, "x86_64"), (2, "aarch64"))}
 # Refused without a mount namespace: host file metadata, uncounted disk (docs/SANDBOX.md, layer 8).
-METADATA = set("""chmod fchmod fchmodat fchmodat2 chown fchown lchown fchownat utime utimes
+_NEED_MOUNT = set("""chmod fchmod fchmodat fchmodat2 chown fchown lchown fchownat utime utimes
 futimesat utimensat setxattr lsetxattr fsetxattr removexattr lremovexattr fremovexattr
-setxattrat removexattrat truncate""".split())
-_DISK = set("open openat openat2 fallocate unlink unlinkat rmdir link linkat rename renameat "
-            "renameat2".split())
+setxattrat removexattrat truncate open openat openat2 fallocate unlink unlinkat rmdir link linkat
+rename renameat renameat2""".split())
 _O_TMPFILE = 0o20000000            # __O_TMPFILE on x86_64 and aarch64
 _AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
 _NR_LANDLOCK_CREATE, _NR_LANDLOCK_ADD_RULE, _NR_LANDLOCK_RESTRICT = 444, 445, 446
@@ -98,7 +97,7 @@ def prctl(option: int, a2: int = 0, a3: int = 0) -> int:
 
 
 def seccomp_filter(no_mount: bool) -> list:
-    """(code, jt, jf, k) tuples, k maybe _OWN or _GROUP; `no_mount`: refuse METADATA, _DISK too."""
+    """(code, jt, jf, k) tuples, k maybe _OWN or _GROUP; `no_mount`: refuse _NEED_MOUNT too."""
     deny, allow = (_RET, 0, 0, _ERRNO | errno.EPERM), (_RET, 0, 0, _ALLOW)
     unsupported = (_RET, 0, 0, _ERRNO | errno.EOPNOTSUPP)
     prog = [(_LD, 0, 0, 4), (_JEQ, 1, 0, _AUDIT_ARCH[ARCH]), (_RET, 0, 0, _KILL_PROCESS),
@@ -142,7 +141,7 @@ def seccomp_filter(no_mount: bool) -> list:
              # Removing does nothing and says it did: what a run wrote stays counted till it ends.
              **dict.fromkeys(("unlink", "unlinkat", "rmdir"), [(_RET, 0, 0, _ERRNO | 0)])}
     for name, number in _SYSCALLS[ARCH].items():
-        if no_mount or name not in METADATA | _DISK:
+        if no_mount or name not in _NEED_MOUNT:
             block = rules.get(name, [deny])
             prog += [(_JEQ, 0, len(block), number), *block]
     return prog + [allow]
@@ -229,11 +228,10 @@ def worker_namespace(closed: list, keep: list, hide: bool) -> bool:
             _check(_libc.mount(b"tmpfs", top.encode(), b"tmpfs", 2 | 4, b"mode=0755"),
                    "mount(tmpfs)")
             for path, fd in zip(below, held):
-                if stat.S_ISDIR(os.fstat(fd).st_mode):
-                    os.makedirs(path, 0o755, exist_ok=True)
-                else:
-                    os.makedirs(os.path.dirname(path), 0o755, exist_ok=True)
-                    open(path, "w").close()
+                is_dir = stat.S_ISDIR(os.fstat(fd).st_mode)
+                os.makedirs(path if is_dir else os.path.dirname(path), 0o755, exist_ok=True)
+                if not is_dir:
+                    open(path, "w").close()        # a bind mount needs a file to cover
                 _check(_libc.mount(f"/proc/self/fd/{fd}".encode(), path.encode(), None,
                                    _MS_BIND | _MS_REC, None), f"mount({path}, MS_BIND)")
                 os.close(fd)
@@ -302,11 +300,11 @@ def readable_paths() -> list:
 
 
 def pids_cgroup() -> tuple:
-    """(directory, version, why not) of our pids cgroup: v1, else cgroup2 with pids delegated."""
+    """([directory, version], why not) of our pids cgroup: v1, else cgroup2 with pids delegated."""
     try:
         paths = dict(line.rstrip("\n").split(":", 2)[1:] for line in open("/proc/self/cgroup"))
     except OSError as exc:
-        return None, None, f"/proc/self/cgroup: {exc.strerror}"
+        return None, f"/proc/self/cgroup: {exc.strerror}"
     candidates = [("/sys/fs/cgroup/pids" + paths.get("pids", "/").rstrip("/"), "v1",
                    "cgroup.procs")]
     candidates += [(root + paths.get("", "/").rstrip("/"), "v2", "cgroup.subtree_control")
@@ -320,8 +318,8 @@ def pids_cgroup() -> tuple:
         elif version == "v2" and "pids" not in open(f"{directory}/{probe}").read():
             why.append(f"pids is not delegated below {directory} (cgroup.subtree_control)")
         else:
-            return directory, version, None
-    return None, None, "; ".join(why) or "no pids cgroup hierarchy is mounted"
+            return [directory, version], None
+    return None, "; ".join(why) or "no pids cgroup hierarchy is mounted"
 
 
 def available_cores() -> int:
@@ -435,8 +433,7 @@ def detect(uid: int) -> dict:
         hint = {errno.ENOSYS: "; no Landlock in this kernel?",
                 errno.EOPNOTSUPP: "; add landlock to lsm= at boot"}
         found["landlock_why"] = _refusal(exc) + hint.get(exc.errno, "")
-    cgroup, version, found["cgroup_why"] = pids_cgroup()
-    found["cgroup"] = cgroup and [cgroup, version]
+    found["cgroup"], found["cgroup_why"] = pids_cgroup()
     directory = tempfile.mkdtemp(prefix="sandbox-detect-")
     found["mount_root"], found["mount_user"] = (_in_child(_try_mount, directory, userns)
                                                 for userns in (False, True))
