@@ -68,8 +68,8 @@ def differences(saved, current):
     for part, now in current.items():
         before = saved.get(part)
         if isinstance(now, dict) and isinstance(before, dict):
-            changed = [f"{k} {before.get(k)!r} -> {v!r}" for k, v in now.items()
-                       if before.get(k) != v]
+            changed = [f"{k} {before.get(k)!r} -> {now.get(k)!r}" for k in {**before, **now}
+                       if before.get(k) != now.get(k)]  # a setting gone counts too
             said += [f"{part} differ: " + ", ".join(changed)] if changed else []
         elif before != now:
             said.append(f"{part} differ")

@@ -345,6 +345,16 @@ def test_evaluate_resumes_from_its_trajectory_file(tmp_path, monkeypatch):
     assert len(calls) == 4 and s2["benchmarks"] == s["benchmarks"]       # nothing left to do
 
 
+def test_a_changed_evaluation_names_what_changed():
+    from machinery.eval_resume import differences
+    saved = {"model": "a", "sampling": {"top_p": 0.6, "n": 4, "gone": 1}}
+    assert differences(saved, {"model": "b", "sampling": {"top_p": 0.9, "n": 4}}) == \
+        "model differ; sampling differ: top_p 0.6 -> 0.9, gone 1 -> None"
+    # a setting the saved key has and the current one lacks is a difference too
+    assert differences(saved, {"model": "a", "sampling": {"top_p": 0.6, "n": 4}}) == \
+        "sampling differ: gone 1 -> None"
+
+
 def test_model_aware_filtering_tags_difficulty(tmp_path, monkeypatch):
     """--filter_out: problem i is solved by the first solved[i] of n = 4 samples; the always and
     never solved go, the rest are tagged by pass rate, with a histogram beside them."""
