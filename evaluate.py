@@ -34,6 +34,7 @@ from contextlib import nullcontext
 from dataclasses import asdict, dataclass, fields
 
 from data import toy
+from machinery import flags
 from machinery.code_grading import run_tests  # the code grader's runner; evaluate.run_tests too
 from machinery.final_answer import boxed_answer, final_answer_text, normalize_choice, normalize_math
 
@@ -142,9 +143,7 @@ def pass_at_k(n, c, k):
     """Unbiased pass@k, 1 - C(n-c, k) / C(n, k), in product form (no big binomials)."""
     if not 0 < k <= n or not 0 <= c <= n:
         raise ValueError(f"pass_at_k needs 0 < k <= n and 0 <= c <= n, got n={n} c={c} k={k}")
-    if n - c < k:
-        return 1.0
-    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
+    return 1.0 if n - c < k else 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
 
 
 def maj_at_k(preds, corrects, k):
@@ -171,9 +170,7 @@ def verl_bootstrap(preds, corrects, k, draws=1000, seed=42):
 
 
 def tool_stats(records):
-    m = len(records)
-    if not m:
-        return {}
+    m = len(records)  # not 0: summarize calls it only with records
     statuses = Counter(s for r in records for s in r["call_status"])
     calls = sum(statuses.values())
     with_calls = [r for r in records if r["num_tool_calls"]]
@@ -451,14 +448,12 @@ def write_filtered(problems, records, out_path):
 
 
 def parse_config(argv):
-    from machinery.flags import parse_config as parse
     # `--preset toy` (and no arguments): the toy's held-out set as rl.py evaluates it, toy_policy()
     preset = dict(model="toy", data=toy.HELDOUT, out=os.path.join(toy.ROOT, "eval"), **toy.EVAL)
-    return parse(EvalConfig, argv, __doc__, presets={"toy": preset})
+    return flags.parse_config(EvalConfig, argv, __doc__, presets={"toy": preset})
 
 
 def check(cfg):  # every flag before anything is loaded or written: one line on a bad value
-    from machinery import flags
     flags.rule(cfg.model != "", "model", cfg.model, "required: a checkpoint directory")
     flags.ranges(cfg, {">= 0": "limit seed problems_per_batch", ">= 1": "n",
                         "> 0": "code_test_timeout"})
@@ -488,10 +483,7 @@ def main(argv=None):
                                        gather_objects, print0, resolve_model, same_model,
                                        start_sandbox)
     allocator_defaults()  # before CUDA starts
-    from machinery import eval_resume
-    from machinery.checkpoints import claim
-    from machinery.exits import quiet_interrupt
-    from machinery.run_log import Metrics
+    from machinery import checkpoints, eval_resume, exits, run_log
     from model import DTYPES, Transformer, attention_path
     from transformers import AutoTokenizer
     argv = sys.argv[1:] if argv is None else argv
@@ -507,8 +499,8 @@ def main(argv=None):
     say = (lambda why: f"evaluate.py: {why}; the finished problems are kept in {out_dir}, and "
            f"the same command goes on from there")
     problems = load_problems(cfg)  # a bad problem file stops it before anything is written
-    with (quiet_interrupt(say, out_dir), distributed() as (rank, world, device, _),
-          claim(out_dir, "evaluate.py")):
+    with (exits.quiet_interrupt(say, out_dir), distributed() as (rank, world, device, _),
+          checkpoints.claim(out_dir, "evaluate.py")):
         start_sandbox(cfg.sandbox_workers, cfg.sandbox_require, rank)
         cfg.model = same_model(resolve_model(cfg.model))  # every rank the same weights, or stop
         if rank == 0:
@@ -520,7 +512,7 @@ def main(argv=None):
         model.attn_backend = cfg.attn_backend
         if device.type == "cuda" or cfg.attn_backend == "flash":
             print0(attention_path(cfg.attn_backend, device, dtype))
-        metrics = Metrics(None, cfg, out_dir=out_dir)
+        metrics = run_log.Metrics(None, cfg, out_dir=out_dir)
         t0 = time.time()
         tokenizer = AutoTokenizer.from_pretrained(cfg.model)
         records, summary = evaluate(model, tokenizer, problems, cfg, out_dir=out_dir)

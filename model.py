@@ -46,14 +46,6 @@ class ModelConfig:
     dtype: str = "bfloat16"       # the dtype the checkpoint is stored in
     extra: dict = field(default_factory=dict)  # every other config.json key, written back on save
 
-    @property
-    def qkv_bias(self):
-        return self.model_type == "qwen2" or self.attention_bias
-
-    @property
-    def qk_norm(self):
-        return self.model_type == "qwen3"
-
     @classmethod
     def from_dict(cls, d, source="config.json"):
         d = dict(d)
@@ -79,9 +71,8 @@ class ModelConfig:
 
     def to_dict(self):
         """config.json as both transformers 4.x and 5.x read it."""
-        d = dict(self.extra)
-        d.update({f.name: getattr(self, f.name) for f in fields(self)
-                  if f.name not in ("extra", "dtype")})
+        d = dict(self.extra, **{f.name: getattr(self, f.name) for f in fields(self)
+                                if f.name not in ("extra", "dtype")})
         architecture = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[self.model_type]
         d.update(architectures=[architecture], hidden_act="silu",
                  torch_dtype=self.dtype, dtype=self.dtype, rope_scaling=None,
@@ -105,8 +96,7 @@ class RMSNorm(nn.Module):
 def rope_cos_sin(positions, head_dim, theta, dtype):
     """positions [B, T] -> cos, sin [B, T, 1, D]; sin carries rotate-half's sign (Attention)."""
     exponents = torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim
-    inv_freq = 1.0 / theta ** exponents
-    freqs = positions[..., None].float() * inv_freq  # [B, T, D/2]
+    freqs = positions[..., None].float() * (1.0 / theta ** exponents)  # [B, T, D/2]
     cos, sin = freqs.cos(), freqs.sin()
     cos = torch.cat([cos, cos], -1).to(dtype)[:, :, None]
     sin = torch.cat([-sin, sin], -1).to(dtype)[:, :, None]
@@ -194,9 +184,10 @@ class Attention(nn.Module):
         self.layer_idx, self.head_dim = layer_idx, cfg.head_dim
         self.n_heads, self.n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
         qkv_size = (self.n_heads + 2 * self.n_kv) * self.head_dim
-        self.qkv_proj = Linear(cfg.hidden_size, qkv_size, bias=cfg.qkv_bias)
+        self.qkv_proj = Linear(cfg.hidden_size, qkv_size,
+                               bias=cfg.model_type == "qwen2" or cfg.attention_bias)
         self.o_proj = Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
-        if cfg.qk_norm:
+        if cfg.model_type == "qwen3":
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
@@ -255,8 +246,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
         for s in range(0, N, chunk):
             z = (h[s:s + chunk] @ weight.t()).float().div_(temperature)   # [c, V]
             lse[s:s + chunk] = torch.logsumexp(z, dim=-1)
-            z_target = z.gather(1, targets[s:s + chunk, None]).squeeze(1)
-            logp[s:s + chunk] = z_target - lse[s:s + chunk]
+            logp[s:s + chunk] = z.gather(1, targets[s:s + chunk, None])[:, 0] - lse[s:s + chunk]
             if want_entropy:                                         # H = lse - sum p z
                 ent[s:s + chunk] = lse[s:s + chunk] - (torch.softmax(z, -1) * z).sum(-1)
         ctx.save_for_backward(h, weight, targets, lse, ent)
@@ -330,10 +320,8 @@ class Transformer(nn.Module):
         recompute = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
         for layer in self.model.layers:
             args = (x, cos, sin, packed, kv_cache, self.attn_backend)
-            if recompute:
-                x = torch.utils.checkpoint.checkpoint(layer, *args, use_reentrant=False)
-            else:
-                x = (layer.forward if self.bare_blocks else layer)(*args)
+            x = (torch.utils.checkpoint.checkpoint(layer, *args, use_reentrant=False) if recompute
+                 else (layer.forward if self.bare_blocks else layer)(*args))
         return self.model.norm(x)
 
     def rope(self, positions, dtype):
