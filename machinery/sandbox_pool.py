@@ -238,8 +238,7 @@ class Sandbox(contextlib.AbstractContextManager):
         self._ready = threading.Event()            # set: a probe passed, or the pool failed
         self._probe = None                         # (hello, checks) of the first worker
         self._broken = self._trouble = None        # why it stopped for good; why none is ready
-        self._closed, self._stop = False, threading.Event()
-        self._generation = itertools.count(1)
+        self._closed, self._stop, self._generation = False, threading.Event(), itertools.count(1)
         self._workers, self._failures = [None] * self.num_workers, [0] * self.num_workers
         self._threads = [threading.Thread(target=self._serve, args=(i,), name=f"sandbox-{i}",
                                           daemon=True) for i in range(self.num_workers)]
