@@ -2,8 +2,7 @@
 
 API: run, run_many, submit (a Future), capabilities() on a default pool of this rank's share of the
 cores, or on a `Sandbox`; configure() and check() for the default pool; prepare_code and
-format_tool_output: the code tool (rollout.TOOLS). machinery/code_grading.run_tests grades code
-answers with it.
+format_tool_output: the code tool (rollout.TOOLS). code_grading.run_tests grades code with it.
     python sandbox.py 'print(1 + 1)'   python sandbox.py --tool $'x = 6 * 7\nx'
     python sandbox.py --capabilities   python scripts/bench_sandbox.py
 

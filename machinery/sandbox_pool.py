@@ -157,8 +157,7 @@ def _layers(found: dict) -> tuple:
     tasks = (cgroup and f"pids cgroup {cgroup[1]}"
              or nproc_uid and "RLIMIT_NPROC of the run's uid"
              or nproc_userns and "RLIMIT_NPROC in a user namespace"
-             or nproc_owner and f"RLIMIT_NPROC of uid {os.geteuid()} (its tasks + {MAX_TASKS})"
-             or None)
+             or nproc_owner and f"RLIMIT_NPROC of uid {os.geteuid()} (its tasks + {MAX_TASKS})")
     plan = {"landlock": found["landlock"], "mount": mount, "cgroup": cgroup and cgroup[0],
             "nproc": "owner" if nproc_owner else bool(nproc_uid or nproc_userns),
             "tasks": tasks or "polled by the worker",
@@ -191,13 +190,6 @@ def _layers(found: dict) -> tuple:
     if polled := ["disk quota"] * (not mount) + ["task count"] * ("tasks" in off):
         on.append(" and ".join(polled) + " polled by the worker")
     return plan, on, off
-
-
-def _waited(pid: int) -> float:
-    """Seconds the run's main thread spent runnable but not running (/proc/<pid>/schedstat)."""
-    with contextlib.suppress(OSError, ValueError, IndexError), open(f"/proc/{pid}/schedstat") as f:
-        return int(f.read().split()[1]) / 1e9
-    return 0.0
 
 
 def default_workers() -> int:
@@ -246,8 +238,7 @@ class Sandbox(contextlib.AbstractContextManager):
         self._ready = threading.Event()            # set: a probe passed, or the pool failed
         self._probe = None                         # (hello, checks) of the first worker
         self._broken = self._trouble = None        # why it stopped for good; why none is ready
-        self._closed, self._stop = False, threading.Event()
-        self._generation = itertools.count(1)
+        self._closed, self._stop, self._generation = False, threading.Event(), itertools.count(1)
         self._workers, self._failures = [None] * self.num_workers, [0] * self.num_workers
         self._threads = [threading.Thread(target=self._serve, args=(i,), name=f"sandbox-{i}",
                                           daemon=True) for i in range(self.num_workers)]
@@ -425,7 +416,11 @@ class Sandbox(contextlib.AbstractContextManager):
                     worker.proc.kill()         # late to fork, or to end once killed: hung
                     deadline = now + 1.0
                 elif now >= deadline:   # main-thread CPU waits don't count while under its timeout
-                    waited = _waited(pid) * (cpu_time(pid) < job["timeout"])
+                    waited = 0.0   # seconds its main thread spent runnable but not running
+                    with (contextlib.suppress(OSError, ValueError, IndexError),
+                          open(f"/proc/{pid}/schedstat") as f):
+                        waited = int(f.read().split()[1]) / 1e9
+                    waited *= cpu_time(pid) < job["timeout"]
                     moved = start + min(BACKSTOP, 1 + waited / job["timeout"]) * job["timeout"]
                     if moved > now + 0.005:
                         deadline = moved

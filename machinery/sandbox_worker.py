@@ -130,15 +130,6 @@ for _node in ast.walk(_GUARD):
         _node.lineno = _node.end_lineno = _node.col_offset = _node.end_col_offset = -1
 
 
-def _reporters() -> dict:
-    """Reporters writing on fd 3 in C: a crash; a SystemExit with a code not None, 0, False."""
-    dump = starmap(faulthandler.dump_traceback, repeat((EPILOGUE_FD, False))).__next__
-    codes = map(SystemExit.code.__get__, starmap(sys.exception, repeat(())))
-    fine = map(frozenset(map(id, (None, 0, False))).__contains__, map(id, codes))
-    exit_report = map(operator.call, map((dump, None.__init__).__getitem__, fine)).__next__
-    return dict(zip(_MARKS, (SystemExit, iter(exit_report, None), iter(dump, None))))
-
-
 def _guarded(source: str) -> types.CodeType:
     """`source` compiled, its statements after docstring and __future__ imports inside _GUARD."""
     tree = compile(source, "<string>", "exec", ast.PyCF_ONLY_AST, dont_inherit=True)
@@ -147,7 +138,13 @@ def _guarded(source: str) -> types.CodeType:
                          or getattr(node, "module", 0) == "__future__")), len(tree.body))
     if head < len(tree.body):
         _GUARD.body, tree.body = tree.body[head:], tree.body[:head] + [_GUARD]
-    code, consts = compile(tree, "<string>", "exec", dont_inherit=True), _reporters()
+    code = compile(tree, "<string>", "exec", dont_inherit=True)
+    # Reporters writing on fd 3 in C: a crash; a SystemExit with a code not None, 0, False.
+    dump = starmap(faulthandler.dump_traceback, repeat((EPILOGUE_FD, False))).__next__
+    codes = map(SystemExit.code.__get__, starmap(sys.exception, repeat(())))
+    fine = map(frozenset(map(id, (None, 0, False))).__contains__, map(id, codes))
+    exit_report = map(operator.call, map((dump, None.__init__).__getitem__, fine)).__next__
+    consts = dict(zip(_MARKS, (SystemExit, iter(exit_report, None), iter(dump, None))))
     return code.replace(co_consts=tuple(consts.get(c, c) if isinstance(c, str) else c
                                         for c in code.co_consts))
 
@@ -282,7 +279,11 @@ def _zygote_main(config: dict) -> None:
                                       "over": over, "failure": failure.decode("latin-1")}).encode())
             elif watching and time.monotonic() >= looked + WATCH:
                 looked, began = time.monotonic(), time.thread_time()
-                over = _overdrawn(child, directory, disk, plan["watch"])
+                if ("tasks" in plan["watch"] and (fields := _stat(child))
+                        and int(fields[17]) > MAX_TASKS):       # num_threads
+                    over = f"{fields[17]} tasks, over its {MAX_TASKS}"
+                else:
+                    over = _too_much(*_walk(directory), disk) if "disk" in plan["watch"] else None
                 watched += time.thread_time() - began   # the looking is the run's CPU time
                 if over or cpu_time(child) + watched >= cpu_limit:
                     stopped = _kill_group(child) or True
@@ -320,12 +321,6 @@ def _zygote_main(config: dict) -> None:
             with contextlib.suppress(OSError, TypeError):
                 os.rmdir(path)
         os._exit(0)
-
-
-def _overdrawn(pid: int, directory: str, disk: int, watch: list) -> str | None:
-    if "tasks" in watch and (fields := _stat(pid)) and int(fields[17]) > MAX_TASKS:  # num_threads
-        return f"{fields[17]} tasks, over its {MAX_TASKS}"
-    return _too_much(*_walk(directory), disk) if "disk" in watch else None
 
 
 def _too_much(files: int, size: int, disk: int) -> str | None:
