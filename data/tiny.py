@@ -69,8 +69,9 @@ SPLIT_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 
-def build_tokenizer(path):
-    """Train the byte-level BPE and save a transformers-loadable tokenizer into `path`."""
+def build_tiny_checkpoint(path, seed=0, **overrides):
+    """Write a random tiny Qwen3 checkpoint with the offline tokenizer into `path`; returns path."""
+    from model import ModelConfig, Transformer
     from data.prompts import CODE_INTERPRETER
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -98,20 +99,13 @@ def build_tokenizer(path):
                                   special_tokens=SPECIAL_TOKENS, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator([layout, json.dumps(CODE_INTERPRETER), python, prose] * 20, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
-                                   pad_token="<|endoftext|>", unk_token=None, bos_token=None,
-                                   clean_up_tokenization_spaces=False)
-    fast.add_tokens(MARKER_TOKENS)  # after training, so the merges never swallow them
-    fast.chat_template = CHAT_TEMPLATE
-    fast.model_max_length = TINY_CONFIG["max_position_embeddings"]
-    fast.save_pretrained(path)
-    return fast
-
-
-def build_tiny_checkpoint(path, seed=0, **overrides):
-    """Write a random tiny Qwen3 checkpoint with the offline tokenizer into `path`; returns path."""
-    from model import ModelConfig, Transformer
-    tokenizer = build_tokenizer(path)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
+                                        pad_token="<|endoftext|>", unk_token=None,
+                                        bos_token=None, clean_up_tokenization_spaces=False)
+    tokenizer.add_tokens(MARKER_TOKENS)  # after training, so the merges never swallow them
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.model_max_length = TINY_CONFIG["max_position_embeddings"]
+    tokenizer.save_pretrained(path)
     cfg = {**TINY_CONFIG, "vocab_size": len(tokenizer), **overrides}
     cfg.setdefault("eos_token_id", tokenizer.convert_tokens_to_ids("<|im_end|>"))
     cfg.setdefault("pad_token_id", tokenizer.convert_tokens_to_ids("<|endoftext|>"))

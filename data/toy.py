@@ -78,9 +78,8 @@ def _guess(rng, answer):
     s = str(answer)
     keep = max(1, len(s) // 2)
     while True:
-        g = s[:keep] + "".join(rng.choice("0123456789") for _ in s[keep:])
-        if len(s) == 1:
-            g = str(rng.randint(0, 9))
+        g = (str(rng.randint(0, 9)) if len(s) == 1
+             else s[:keep] + "".join(rng.choice("0123456789") for _ in s[keep:]))
         if g != s:
             return int(g)
 
@@ -111,10 +110,9 @@ def make_sft_records(problems, seed=0, mix=(0.35, 0.45, 0.2)):
             messages += [{"role": "assistant", "content": "",
                           "tool_calls": [{"type": "function", "function": call}]},
                          {"role": "tool", "content": reply}]
-        if style == "guess":  # restates the expression (a copy, as in the tool call), then guesses
-            text = f"{p['code'][len('print('):-1]} is about \\boxed{{{_guess(rng, p['answer'])}}}."
-        else:
-            text = f"The answer is \\boxed{{{reply.strip()}}}."
+        # a guess restates the expression (a copy, as in the tool call), then guesses
+        text = (f"{p['code'][len('print('):-1]} is about \\boxed{{{_guess(rng, p['answer'])}}}."
+                if style == "guess" else f"The answer is \\boxed{{{reply.strip()}}}.")
         messages.append({"role": "assistant", "content": text})
         records.append({"messages": messages, "tools": [CODE_INTERPRETER], "style": style})
     return records
@@ -129,8 +127,7 @@ def build(out, n_sft=6000, n_train=2000, n_heldout=200, seed=0, digits=3, sft=Tr
     files.update({"train.jsonl": train[n_sft:], "heldout.jsonl": heldout})
     from data.prepare import write_jsonl
     for name, rows in files.items():  # without "code": no solution leaks into the data
-        rows = [{k: v for k, v in r.items() if k != "code"} for r in rows]
-        write_jsonl(os.path.join(out, name), rows)
+        write_jsonl(os.path.join(out, name), [{k: r[k] for k in r if k != "code"} for r in rows])
     return [os.path.join(out, name) for name in files]
 
 

@@ -80,7 +80,6 @@ def claim(out_dir, stage, resume=None):
 
 
 def move_aside(out_dir, stage):
-    """For claim: a run's files in out_dir (if any) into a new out_dir.replaced-N, and a line."""
     names = [n for n in os.listdir(out_dir) if n != LOCK]
     if not any(n.startswith("step_") or n in ("metrics.jsonl", "summary.json") for n in names):
         return
@@ -201,20 +200,19 @@ def save_checkpoint(out_dir, step, model, optimizer, tokenizer, trainer, base_pa
     if rank == 0:
         # written last: it marks the checkpoint complete, once read back whole
         torch.save(dict(trainer, step=step), os.path.join(tmp, "train_state", "trainer.pt"))
-        problem = damaged(tmp)
-    if rank == 0 and not problem:
-        if os.path.exists(final):  # re-saving a step: move the old one aside (renames are atomic)
-            os.rename(final, final + ".old")
-        os.rename(tmp, final)
-        shutil.rmtree(final + ".old", ignore_errors=True)
-        for _, old in checkpoints(out_dir, resumable=True)[:-max(1, keep)]:
-            shutil.rmtree(os.path.join(old, "train_state"), ignore_errors=True)
-        if last:  # final points only at a finished run's checkpoint
-            link = os.path.join(out_dir, ".final.tmp")
-            if os.path.lexists(link):
-                os.remove(link)
-            os.symlink(name, link)
-            os.replace(link, os.path.join(out_dir, "final"))
+        if not (problem := damaged(tmp)):
+            if os.path.exists(final):  # re-saving a step: the old one moves aside (atomic renames)
+                os.rename(final, final + ".old")
+            os.rename(tmp, final)
+            shutil.rmtree(final + ".old", ignore_errors=True)
+            for _, old in checkpoints(out_dir, resumable=True)[:-max(1, keep)]:
+                shutil.rmtree(os.path.join(old, "train_state"), ignore_errors=True)
+            if last:  # final points only at a finished run's checkpoint
+                link = os.path.join(out_dir, ".final.tmp")
+                if os.path.lexists(link):
+                    os.remove(link)
+                os.symlink(name, link)
+                os.replace(link, os.path.join(out_dir, "final"))
     # nobody reads or resumes before rank 0 has finished writing
     if problem := broadcast_object(problem):
         raise SystemExit(f"the checkpoint of step {step} was not written whole: {problem}")

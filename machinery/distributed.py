@@ -36,8 +36,7 @@ def allocator_defaults(env=os.environ):
 
 
 def setup_distributed(device="auto", timeout_minutes=None):
-    """(rank, world, device, under_torchrun). Always leaves a process group behind (a world of
-    one outside torchrun), so the code reads the same in both cases."""
+    """(rank, world, device, under_torchrun); leaves a process group, of one outside torchrun."""
     if dist.is_initialized():
         cuda = dist.get_backend() == "nccl"
     else:
@@ -53,9 +52,8 @@ def setup_distributed(device="auto", timeout_minutes=None):
         alone = {} if "RANK" in os.environ else dict(store=dist.HashStore(), rank=0, world_size=1)
         timeout = timedelta(minutes=timeout_minutes) if timeout_minutes else DIST_TIMEOUT
         dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout, **alone)
-    dev = torch.device("cpu")
+    dev = torch.device("cuda", int(os.getenv("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
     if cuda:
-        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(dev)
     return dist.get_rank(), dist.get_world_size(), dev, "RANK" in os.environ
 
@@ -81,8 +79,7 @@ def distributed(device="auto", timeout_minutes=None):
 
 
 def gather_group():
-    """The gloo group with GATHER_TIMEOUT for gathers after long per-rank work. Made on the first
-    call, a collective: every rank calls it at the same point, while the ranks are together."""
+    """The gloo group of GATHER_TIMEOUT, made by the first call: a collective, all ranks at once."""
     if dist.group.WORLD not in _gather_groups:
         _gather_groups[dist.group.WORLD] = dist.new_group(backend="gloo", timeout=GATHER_TIMEOUT)
     return _gather_groups[dist.group.WORLD]
@@ -111,8 +108,7 @@ def all_reduce(values, device, op=dist.ReduceOp.SUM):
 
 
 def gather_objects(obj, long_wait=True):
-    """Every rank's obj in rank order, on gather_group: for gathers after long per-rank work
-    (long_wait=False: on the default group)."""
+    """Every rank's obj in rank order, on gather_group (after long per-rank work) if long_wait."""
     if world_size() == 1:
         return [obj]
     parts = [None] * dist.get_world_size()
@@ -194,9 +190,8 @@ def build_model(path, device, sharded):
     # token_logprobs returns a view, which FSDP warns about; it is only used out of place
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     model.to_empty(device=device)
-    full = {}
-    if dist.get_rank() == 0:
-        full = Transformer.from_pretrained(path, dtype=torch.float32).state_dict()
+    full = (Transformer.from_pretrained(path, dtype=torch.float32).state_dict()
+            if dist.get_rank() == 0 else {})
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     set_model_state_dict(model, full, options=options)
     model.tie_weights()

@@ -1,6 +1,5 @@
-"""machinery/exits.py: how rl.py, sft.py and evaluate.py leave. Ctrl-C, or a disk that is full:
-one line saying where the work is kept and how to go on, no traceback from wherever the run was. A
-torchrun worker whose run ended well: exit_worker."""
+"""machinery/exits.py: how the stages leave. Ctrl-C, or a full disk: one line saying where the work
+is kept and how to go on, not a traceback; a torchrun worker whose run ended well: exit_worker."""
 
 import contextlib
 import errno

@@ -1,7 +1,6 @@
-"""machinery/flags.py: how a stage reads its flags (parse_config: one dataclass, --name=value)
-and the rules it checks them by before it loads a model or writes a file; the model directory's
-and the SFT data file's checks. A value that cannot work stops the run with one line naming the
-flag, the value and what is allowed, instead of a traceback minutes later."""
+"""machinery/flags.py: parse_config (one dataclass, --name=value) and the rules a stage checks its
+flags, model directory and SFT data by before anything loads. A value that cannot work stops the
+run with one line naming the flag, the value and what is allowed, not a traceback minutes later."""
 
 import argparse
 import dataclasses
@@ -45,13 +44,12 @@ def parse_config(cls, argv, doc="", presets=None):
     its field's comment. An unknown flag stops it with one line naming the closest one."""
     argv = [a for a in argv if a != "--"]
     values = {}
+    p = Parser(description=doc, allow_abbrev=False,
+               formatter_class=argparse.RawDescriptionHelpFormatter)
     if presets:  # a first pass reads --preset alone, so its values become the defaults --help shows
         pre = Parser(add_help=False, allow_abbrev=False)
         pre.add_argument("--preset", choices=sorted(presets))
         values = presets.get(pre.parse_known_args(argv)[0].preset) or {}
-    p = Parser(description=doc, allow_abbrev=False,
-               formatter_class=argparse.RawDescriptionHelpFormatter)
-    if presets:
         p.add_argument("--preset", choices=sorted(presets), help="named preset of defaults")
     comments, known = _field_comments(cls), ["--preset"]
     for f in dataclasses.fields(cls):
@@ -133,8 +131,7 @@ def input_file(cfg, name, optional=False, skip=(), hint=""):
 
 
 def looks_local(path):
-    """A path written as a path (./, ../, /, ~, runs/) or whose parent directory exists: a
-    directory the user meant, never a hub id (owner/name) to download."""
+    """Written as a path or in an existing directory: a directory the user meant, not a hub id."""
     return path.startswith(("./", "../", "/", "~", "runs/")) or os.path.isdir(os.path.dirname(path))
 
 
@@ -157,8 +154,7 @@ def model_dir(cfg, name="model", skip=("toy",)):
 
 
 def output_dir(cfg, name, optional=False):
-    """The named field can be a directory ('' allowed when optional): not a file, under no file,
-    on a disk this process may write."""
+    """The named field can be a directory this process may make and write ('' if optional)."""
     path = getattr(cfg, name)
     if optional and path == "":
         return

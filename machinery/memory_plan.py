@@ -39,15 +39,12 @@ def run_phases(model, opt, cfg, device, world, mark, rl, flash):
     with rl.full_weights(model):
         generation(model, cfg, device, flash, rl.rollout.sample)
     mark("old_logprob")
-    long = dummy_sample(max(cfg.logprob_micro_batch_tokens, full), device)
-    rl.score_tokens(model, [long], "old_logprobs", cfg, device, entropy=True)
-    del long
+    rl.score_tokens(model, [dummy_sample(max(cfg.logprob_micro_batch_tokens, full), device)],
+                    "old_logprobs", cfg, device, entropy=True)
     mark("update")
     # each alone in its micro-batch: two of them, as a mini-batch of many runs
     n = max(cfg.micro_batch_tokens, full)
-    samples = [dummy_sample(n, device) for _ in range(2)]
-    rl.update(model, opt, samples, 2 * n, 2, cfg, device, world)
-    del samples
+    rl.update(model, opt, [dummy_sample(n, device) for _ in range(2)], 2 * n, 2, cfg, device, world)
     mark("optimizer")
     opt.step()
     mark(None)

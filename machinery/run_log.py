@@ -47,7 +47,6 @@ class Metrics:
             self.wandb.log(numbers, step=record.get("step", 0))
 
     def finish(self, summary=None):
-        """The summary's numbers into wandb, and the wandb run closed."""
         if self.wandb:
             self.wandb.summary.update(flat_numbers(summary or {}))
             self.wandb.finish()
