@@ -280,7 +280,7 @@ def check_problem(p):
 
 
 def load_jsonl(path):
-    """Project-format problems; a malformed line stops with file, line and reason."""
+    """Project-format problems; a malformed line or none stops with file, line and reason."""
     problems = []
     for lineno, line in enumerate(open(path, encoding="utf-8"), 1):
         if line.strip():
@@ -291,6 +291,8 @@ def load_jsonl(path):
             if check_problem(p):
                 raise SystemExit(f"{path}: line {lineno}: {check_problem(p)}")
             problems.append(p)
+    if not problems:
+        raise SystemExit(f"{path}: no problems")
     return problems
 
 
@@ -320,8 +322,6 @@ def load_problems(cfg):
             raise SystemExit(f"benchmark file {path} not found" + hint)
         rows = with_uids([dict(p, benchmark=bench) if bench else p for p in load_jsonl(path)],
                          os.path.splitext(os.path.basename(path))[0])
-        if not rows:
-            raise SystemExit(f"{path}: no problems")
         seen = Counter()
         for p in rows:
             seen[p["benchmark"]] += 1

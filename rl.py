@@ -264,14 +264,6 @@ def grpo_tcr_loss(logprobs, old_logprobs, advantages, mask, clip_low=0.2, clip_h
 
 
 # ---------------------------------------------------------------- data
-def load_problems(path):
-    """Project-format problems (check() saw the file); a bad record stops with file and line."""
-    problems = evaluate.load_jsonl(path)
-    if not problems:
-        raise SystemExit(f"{path}: no problems")
-    return problems
-
-
 def drop_overlong(problems, tokenizer, rcfg, path):
     """The recipe's filter_overlong_prompts (template and tool schema included), at load time."""
     chat = rollout.chat_format(tokenizer, rcfg)  # the prompt exactly as the rollout renders it
@@ -417,8 +409,9 @@ def setup(cfg, rank, world, device, sharded):
     from transformers import AutoTokenizer
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
-    problems = load_problems(cfg.data)
-    eval_problems = load_problems(cfg.eval_data)[:cfg.eval_limit or None] if cfg.eval_data else []
+    problems = evaluate.load_jsonl(cfg.data)
+    eval_problems = evaluate.load_jsonl(cfg.eval_data) if cfg.eval_data else []
+    eval_problems = eval_problems[:cfg.eval_limit or None]
     start_sandbox(cfg.sandbox_workers, cfg.sandbox_require, rank)
     if cfg.top_p < 1 or cfg.top_k > 0:
         print0(f"warning: top_p {cfg.top_p} / top_k {cfg.top_k}: the sampler draws from a "

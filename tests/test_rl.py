@@ -216,10 +216,10 @@ def test_bad_record_stops_with_file_and_line(tmp_path):
                     '{"prompt": "2+2?", "answer": "4", "kind": "math"}\n'
                     '{"prompt": "x", "kind": "essay"}\n')
     with pytest.raises(SystemExit, match=r"rl\.jsonl: line 3: .*kind"):
-        rl.load_problems(str(path))
+        rl.evaluate.load_jsonl(str(path))
     path.write_text('{"prompt": "1+1?", "answer": "2", "kind": "math"}\n{not json\n')
     with pytest.raises(SystemExit, match=r"rl\.jsonl: line 2"):
-        rl.load_problems(str(path))
+        rl.evaluate.load_jsonl(str(path))
 
 
 # -----------------------------------------------------------------------------
