@@ -179,12 +179,9 @@ class PagedKVCache:
     def begin(self, batch, decode):
         """Lay out one step (each sequence's uncached tail, packed) -> (input_ids, positions)."""
         bs, dev = self.block_size, self.device
-        ids, positions, slots = [], [], []
-        for seq in batch:
-            span = range(seq.num_cached, len(seq))
-            ids += seq.token_ids[seq.num_cached:]
-            positions += span
-            slots += [seq.block_table[p // bs] * bs + p % bs for p in span]
+        uncached = [(s, p) for s in batch for p in range(s.num_cached, len(s))]
+        ids, positions = [s.token_ids[p] for s, p in uncached], [p for _, p in uncached]
+        slots = [s.block_table[p // bs] * bs + p % bs for s, p in uncached]
         self.seqs, self.decode = batch, decode
         self.k_lens, self.q_lens = [len(s) for s in batch], [len(s) - s.num_cached for s in batch]
         self.cu_q = list(itertools.accumulate(self.q_lens, initial=0))
@@ -207,8 +204,7 @@ class PagedKVCache:
                     self.groups.append((start, i, lens[start], mask))
                     start = i
         shape = (len(batch), 1) if decode else (1, len(ids))
-        return (upload(ids, dev, torch.long).view(shape),
-                upload(positions, dev, torch.long).view(shape))
+        return tuple(upload(t, dev, torch.long).view(shape) for t in (ids, positions))
 
     def write(self, layer, q, k, v):
         """Writes the step's K/V (one index_copy_) -> packed q [N, Hq, D], kv [N, 2, Hkv, D]."""
@@ -235,8 +231,7 @@ class PagedKVCache:
                 # query j sits at position k_len - q_len + j and sees keys up to there
                 mask = torch.ones(q_len, k_len, dtype=bool, device=q.device).tril(k_len - q_len)
             qi, ki, vi = (t.transpose(0, 1)[None] for t in (q[s:e], ki, vi))  # [1, H, T, D]
-            out = sdpa(qi, ki, vi, mask)  # never the math kernel on CUDA (model.sdpa)
-            outs.append(out[0].transpose(0, 1))
+            outs.append(sdpa(qi, ki, vi, mask)[0].transpose(0, 1))  # never the math kernel on CUDA
         return torch.cat(outs).reshape(shape)
 
     def _gather(self, layer, blocks):
@@ -248,9 +243,8 @@ class PagedKVCache:
 
     def _group_kv(self, layer, start, end, width):
         """Keys and values [n, Hkv, width, D] of decode rows start..end: their blocks, gathered."""
-        _, _, _, hkv, D = self.kv[layer].shape
         blocks = self.block_tables[start:end, :-(-width // self.block_size)].flatten().long()
-        kv = self._gather(layer, blocks).view(2, end - start, -1, hkv, D)
+        kv = self._gather(layer, blocks).view(2, end - start, -1, *self.kv[layer].shape[3:])
         return kv[:, :, :width].transpose(2, 3)
 
     def _attend_decode(self, layer, q, kv):
@@ -476,9 +470,8 @@ def complete(model, prompts, max_new_tokens, temperature=0.0, top_p=1.0, top_k=0
     """generate with log-probs and finish reasons; max_new_tokens: an int or one per prompt."""
     one_each = not isinstance(max_new_tokens, int)
     budgets = list(max_new_tokens) if one_each else [max_new_tokens] * len(prompts)
-    if engine is None:
-        max_seq_lens = [len(p) + b for p, b in zip(prompts, budgets)]
-        engine = Engine(model, **{"max_seq_lens": max_seq_lens, **engine_kwargs})
+    engine_kwargs.setdefault("max_seq_lens", [len(p) + b for p, b in zip(prompts, budgets)])
+    engine = Engine(model, **engine_kwargs) if engine is None else engine
     engine.new_rollout()
     engine.raw_logprobs = raw_logprobs
     stop = frozenset(stop_token_ids)
@@ -562,9 +555,8 @@ class ChatFormat:
         return text.translate(self._unmark)
 
     def encode(self, text):
-        """Ids of a (marked) rendering: the template's added tokens, the rest as plain text through
-        normalizer, pre-tokenizer and model (split_special_tokens would still match added tokens
-        that are not special)."""
+        """Ids of a (marked) rendering: the template's added tokens, other text through normalizer,
+        pre-tokenizer and model (split_special_tokens still matches non-special added tokens)."""
         ids, backend = [], self.tokenizer.backend_tokenizer
         norm, pre = backend.normalizer, backend.pre_tokenizer
         for j, part in enumerate(self._added_re.split(text)):
@@ -606,14 +598,11 @@ Tool = namedtuple("Tool", "schema call")
 def call_outcome(refusal, future):
     """(status, reply) of one call, the one place a status is decided: a refusal "bad_call"; else
     from the Future: raised "error", a str "ok", (status, text) the tool's own (docs/SANDBOX.md)."""
-    if refusal is not None:
-        status, text = "bad_call", refusal
-    else:
-        try:
-            reply = future.result()
-            status, text = ("ok", reply) if isinstance(reply, str) else reply
-        except Exception as e:  # a sandbox failure is the tool's answer, not a crash of the rollout
-            status, text = "error", f"Error: the tool failed: {type(e).__name__}: {e}"[:200]
+    try:
+        reply = ("bad_call", refusal) if refusal is not None else future.result()
+        status, text = ("ok", reply) if isinstance(reply, str) else reply
+    except Exception as e:  # a sandbox failure is the tool's answer, not a crash of the rollout
+        status, text = "error", f"Error: the tool failed: {type(e).__name__}: {e}"[:200]
     # a lone surrogate (JSON's "\ud800" in the call, a tool's output) has no UTF-8 and no token
     return status, text.encode("utf-8", "backslashreplace").decode()
 
@@ -799,9 +788,8 @@ def rollout(model, tokenizer, problems, config, sandbox=None, seeds=None, engine
                              f"over max_prompt_tokens={config.max_prompt_tokens}")
         prompts += [ids] * config.n
         keys += [(i, j) for j in range(config.n)]
-    if engine is None:
-        max_seq_lens = [len(p) + config.max_response_tokens for p in prompts]
-        engine = Engine(model, **{"max_seq_lens": max_seq_lens, **engine_kwargs})
+    engine_kwargs.setdefault("max_seq_lens", [len(p) + config.max_response_tokens for p in prompts])
+    engine = Engine(model, **engine_kwargs) if engine is None else engine
     engine.new_rollout()
     per_sequence = [sequence_seed(seeds[i], j) for i, j in keys] if seeds is not None else None
     agents = AgentLoop(engine, chat, config, sandbox, tools).run(prompts, keys, per_sequence)

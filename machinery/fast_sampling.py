@@ -1,9 +1,7 @@
-"""machinery/fast_sampling.py: the fast paths of rollout.py's paged KV cache (a first reading can
-skip them). rollout.PagedKVCache is the reference (paging, prefix sharing, preemption); these
-change where K/V is read from, not what attention computes: RowKVCache (without flash-attn) keeps
-decoding rows contiguous, FlashKVCache (flash-attn on CUDA) replays a CUDA graph per decode batch
-`bucket`, CpuForward speeds up the model call on CPU. The caches are mixins over the plain cache
-(super() for all they leave alone), which the Engine hands to `kv_cache`: no import of rollout."""
+"""machinery/fast_sampling.py: the fast paths of rollout.py's Engine (a first reading can skip
+them). rollout.PagedKVCache is the reference: RowKVCache and FlashKVCache change where K/V is read
+from, not what attention computes, as mixins over the plain cache (super() for all they leave
+alone) that the Engine hands to `kv_cache`, so no import of rollout. CpuForward: the CPU forward."""
 
 import contextlib
 import functools
@@ -26,11 +24,11 @@ def kv_cache(paged, config, num_blocks, block_size, device, dtype, flash, row_bu
     """The cache an Engine runs on: paged (rollout.PagedKVCache) with one fast path mixed in. flash:
     FlashKVCache, decode steps bucketed up to max_batch rows, tables as wide as the longest of
     max_seq_lens needs; else RowKVCache, its rows holding at most row_budget token positions."""
+    cache = _over(FlashKVCache if flash else RowKVCache, paged)
     if flash:
         longest = max(max_seq_lens) if max_seq_lens else config.max_position_embeddings
-        return _over(FlashKVCache, paged)(config, num_blocks, block_size, device, dtype,
-                                          max_batch, longest)
-    return _over(RowKVCache, paged)(config, num_blocks, block_size, device, dtype, row_budget)
+        return cache(config, num_blocks, block_size, device, dtype, max_batch, longest)
+    return cache(config, num_blocks, block_size, device, dtype, row_budget)
 
 
 @functools.cache
@@ -51,8 +49,7 @@ class RowKVCache:
     def __init__(self, config, num_blocks, block_size, device, dtype, row_budget):
         super().__init__(config, num_blocks, block_size, device, dtype)
         self.row_budget = row_budget   # rows x capacity <= row_budget
-        self.rows, self.row_cached = None, {}
-        self.row_kv = [torch.zeros(2, 0, 0, 0, 0)]
+        self.rows, self.row_cached, self.row_kv = None, {}, [torch.zeros(2, 0, 0, 0, 0)]
 
     def decode_order(self, batch):
         """Longest first; the same rows in the same order while the same sequences keep decoding."""
@@ -130,9 +127,8 @@ def cuda_graph(fn, pool, stream):
 
 class FlashKVCache:
     """Fast path 2 (flash-attn on CUDA, blocks of 256): flash-attn reads the pools through the block
-    tables (prefill: flash_attn_varlen_func, decode: flash_attn_with_kvcache). decode_step (called
-    by the Engine instead of begin and the model) lays a step out in static buffers at its
-    bucket's batch size, so it is captured once per bucket as a CUDA graph."""
+    tables. decode_step (called by the Engine instead of begin and the model) lays a step out in
+    static buffers at its bucket's batch size, so it is captured once per bucket as a CUDA graph."""
 
     def __init__(self, config, num_blocks, block_size, device, dtype, max_batch, longest):
         super().__init__(config, num_blocks, block_size, device, dtype)
@@ -165,8 +161,7 @@ class FlashKVCache:
         return layout
 
     def decode_step(self, model, batch):
-        """The logits [len(batch), V] of one decode step, run at its bucket's batch size: on CUDA
-        one graph per bucket, captured at the bucket's first step and replayed after."""
+        """The logits [len(batch), V] of one decode step, run at its bucket's batch size."""
         width = max(len(s.block_table) for s in batch)
         if width > self.max_blocks:  # a reused engine meets a longer sequence: widen, graphs anew
             self.max_blocks = min(self.num_blocks, 2 * width)
@@ -174,7 +169,13 @@ class FlashKVCache:
             self.reset_graphs()
         b = self.begin_bucketed(batch)
         if b not in self.graphs:
-            step = functools.partial(self._bucketed_step, model, b)
+            def step():  # bucket b's step reads only the static buffers, so its graph replays any
+                meta = self.static[0][:, :b]
+                slots = meta[2].long()
+                self.pool_index = torch.stack([slots, slots + self.v_offset], 1)
+                ids, positions = meta[0, :, None].long(), meta[1, :, None].long()
+                h = model.hidden(ids, positions=positions, kv_cache=self)
+                return model.lm_head(h[:, 0]).float()
             self.graphs[b] = (cuda_graph(step, self.graph_pool, self.capture_stream)
                               if self.use_graphs else step)
         return self.graphs[b]()[:len(batch)]
@@ -197,10 +198,9 @@ class FlashKVCache:
         # the tables change only when a row gains a block (every 256 tokens) or the rows change:
         # other steps reuse the uploaded ones instead of rebuilding rows x width ints. The key holds
         # each row's table list itself (a released sequence gets a new one) and its length
-        key = [tables, b] + [(s.block_table, len(s.block_table)) for s in batch]
-        old = self.tables_key
-        if not (old and len(old) == len(key) and old[0] is tables and old[1] == b and all(
-                x[0] is y[0] and x[1] == y[1] for x, y in zip(old[2:], key[2:]))):
+        key = [(s.block_table, len(s.block_table)) for s in batch]
+        old = self.tables_key or []  # None when static is made anew; b follows from len(key)
+        if len(old) != len(key) or any(x[0] is not y[0] or x[1] != y[1] for x, y in zip(old, key)):
             width, spare = self.max_blocks, self.spare_slot // bs
             rows = [s.block_table + [0] * (width - len(s.block_table)) for s in batch]
             tables[:b].copy_(upload(rows + [[spare] * width] * pad, dev, torch.int32))
@@ -209,21 +209,11 @@ class FlashKVCache:
         self.context_lens, self.block_tables = meta[3, :b], tables[:b]
         return b
 
-    def _bucketed_step(self, model, b):
-        """Bucket b's decode step: it reads only the static buffers, so its graph replays any."""
-        meta = self.static[0][:, :b]
-        slots = meta[2].long()
-        self.pool_index = torch.stack([slots, slots + self.v_offset], 1)
-        ids, positions = meta[0, :, None].long(), meta[1, :, None].long()
-        h = model.hidden(ids, positions=positions, kv_cache=self)
-        return model.lm_head(h[:, 0]).float()
-
     def attend(self, layer, q, k, v):
         shape, pool = q.shape, self.kv[layer]
         q, _ = self.write(layer, q, k, v)
         if self.decode:
-            out = flash_attn_with_kvcache(q[:, None], pool[0], pool[1],
-                                          cache_seqlens=self.context_lens,
+            out = flash_attn_with_kvcache(q[:, None], *pool, cache_seqlens=self.context_lens,
                                           block_table=self.block_tables, causal=True)[:, 0]
         else:
             out = flash_attn_varlen_func(q, pool[0], pool[1], self.cu_q_t, self.cu_k_t,
@@ -237,11 +227,9 @@ class FlashKVCache:
 OPTIMIZER_STEPS = [0]
 
 
+@register_optimizer_step_post_hook
 def _count_step(*_):
     OPTIMIZER_STEPS[0] += 1
-
-
-register_optimizer_step_post_hook(_count_step)
 
 
 def transposed_weights(module, old=None):
@@ -272,12 +260,11 @@ class CpuForward:
         belongs inside the with block too, so that it also multiplies by its transposed copy."""
         if cache.device.type == "cpu":
             self.weights_t = transposed_weights(self.model, self.weights_t)
-        copies = self.weights_t   # inside, each Linear of copies multiplies by its transposed copy
-        for m, (_, wt) in copies.items():
+        for m, (_, wt) in self.weights_t.items():  # inside, each Linear multiplies by its copy
             m.__dict__["weight_t"] = wt  # not Module.__setattr__: this runs every decode step
         try:
             one_group = decode and self.compiled and len(cache.groups) == 1
             yield self.compiled if one_group else self.model.hidden
         finally:
-            for m in copies:
+            for m in self.weights_t:
                 m.__dict__.pop("weight_t", None)
