@@ -227,9 +227,11 @@ class FlashKVCache:
 OPTIMIZER_STEPS = [0]
 
 
-@register_optimizer_step_post_hook
 def _count_step(*_):
     OPTIMIZER_STEPS[0] += 1
+
+
+register_optimizer_step_post_hook(_count_step)
 
 
 def transposed_weights(module, old=None):
@@ -260,11 +262,12 @@ class CpuForward:
         belongs inside the with block too, so that it also multiplies by its transposed copy."""
         if cache.device.type == "cpu":
             self.weights_t = transposed_weights(self.model, self.weights_t)
-        for m, (_, wt) in self.weights_t.items():  # inside, each Linear multiplies by its copy
+        copies = self.weights_t   # inside, each Linear of copies multiplies by its transposed copy
+        for m, (_, wt) in copies.items():
             m.__dict__["weight_t"] = wt  # not Module.__setattr__: this runs every decode step
         try:
             one_group = decode and self.compiled and len(cache.groups) == 1
             yield self.compiled if one_group else self.model.hidden
         finally:
-            for m in self.weights_t:
+            for m in copies:
                 m.__dict__.pop("weight_t", None)
