@@ -179,9 +179,12 @@ class PagedKVCache:
     def begin(self, batch, decode):
         """Lay out one step (each sequence's uncached tail, packed) -> (input_ids, positions)."""
         bs, dev = self.block_size, self.device
-        uncached = [(s, p) for s in batch for p in range(s.num_cached, len(s))]
-        ids, positions = [s.token_ids[p] for s, p in uncached], [p for _, p in uncached]
-        slots = [s.block_table[p // bs] * bs + p % bs for s, p in uncached]
+        ids, positions, slots = [], [], []
+        for seq in batch:  # list slices, not a Python step per token: prefills are long
+            span = range(seq.num_cached, len(seq))
+            ids += seq.token_ids[seq.num_cached:]
+            positions += span
+            slots += [seq.block_table[p // bs] * bs + p % bs for p in span]
         self.seqs, self.decode = batch, decode
         self.k_lens, self.q_lens = [len(s) for s in batch], [len(s) - s.num_cached for s in batch]
         self.cu_q = list(itertools.accumulate(self.q_lens, initial=0))
@@ -470,8 +473,9 @@ def complete(model, prompts, max_new_tokens, temperature=0.0, top_p=1.0, top_k=0
     """generate with log-probs and finish reasons; max_new_tokens: an int or one per prompt."""
     one_each = not isinstance(max_new_tokens, int)
     budgets = list(max_new_tokens) if one_each else [max_new_tokens] * len(prompts)
-    engine_kwargs.setdefault("max_seq_lens", [len(p) + b for p, b in zip(prompts, budgets)])
-    engine = Engine(model, **engine_kwargs) if engine is None else engine
+    if engine is None:
+        max_seq_lens = [len(p) + b for p, b in zip(prompts, budgets)]
+        engine = Engine(model, **{"max_seq_lens": max_seq_lens, **engine_kwargs})
     engine.new_rollout()
     engine.raw_logprobs = raw_logprobs
     stop = frozenset(stop_token_ids)
@@ -788,8 +792,9 @@ def rollout(model, tokenizer, problems, config, sandbox=None, seeds=None, engine
                              f"over max_prompt_tokens={config.max_prompt_tokens}")
         prompts += [ids] * config.n
         keys += [(i, j) for j in range(config.n)]
-    engine_kwargs.setdefault("max_seq_lens", [len(p) + config.max_response_tokens for p in prompts])
-    engine = Engine(model, **engine_kwargs) if engine is None else engine
+    if engine is None:
+        max_seq_lens = [len(p) + config.max_response_tokens for p in prompts]
+        engine = Engine(model, **{"max_seq_lens": max_seq_lens, **engine_kwargs})
     engine.new_rollout()
     per_sequence = [sequence_seed(seeds[i], j) for i, j in keys] if seeds is not None else None
     agents = AgentLoop(engine, chat, config, sandbox, tools).run(prompts, keys, per_sequence)
