@@ -192,6 +192,13 @@ def _layers(found: dict) -> tuple:
     return plan, on, off
 
 
+def _waited(pid: int) -> float:
+    """Seconds the run's main thread spent runnable but not running (/proc/<pid>/schedstat)."""
+    with contextlib.suppress(OSError, ValueError, IndexError), open(f"/proc/{pid}/schedstat") as f:
+        return int(f.read().split()[1]) / 1e9
+    return 0.0
+
+
 def default_workers() -> int:
     """This rank's share of the cores: over the ranks on this node (torchrun's LOCAL_WORLD_SIZE)."""
     ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or 1))
@@ -416,11 +423,7 @@ class Sandbox(contextlib.AbstractContextManager):
                     worker.proc.kill()         # late to fork, or to end once killed: hung
                     deadline = now + 1.0
                 elif now >= deadline:   # main-thread CPU waits don't count while under its timeout
-                    waited = 0.0   # seconds its main thread spent runnable but not running
-                    with (contextlib.suppress(OSError, ValueError, IndexError),
-                          open(f"/proc/{pid}/schedstat") as f):
-                        waited = int(f.read().split()[1]) / 1e9
-                    waited *= cpu_time(pid) < job["timeout"]
+                    waited = _waited(pid) * (cpu_time(pid) < job["timeout"])
                     moved = start + min(BACKSTOP, 1 + waited / job["timeout"]) * job["timeout"]
                     if moved > now + 0.005:
                         deadline = moved
