@@ -411,6 +411,8 @@ def evaluate(model, tokenizer, problems, cfg, out_dir=None, progress=True, engin
             bar.update(len(batch))
     from machinery.distributed import gather_objects  # ranks finish far apart: a long timeout
     lights = [r for part in gather_objects([light(r) for r in records]) for r in part]
+    if cfg.filter_out and rank == 0:  # every rank's samples are here: no second gather
+        write_filtered(problems, lights, cfg.filter_out)
     ks = [int(k) for k in cfg.pass_k.split(",") if k.strip()] or None
     return records, summarize(lights, ks, cfg.verl_metrics)
 
@@ -480,8 +482,7 @@ def toy_policy():
 
 def main(argv=None):
     from machinery.distributed import (allocator_defaults, barrier, compute_dtype, distributed,
-                                       gather_objects, print0, resolve_model, same_model,
-                                       start_sandbox)
+                                       print0, resolve_model, same_model, start_sandbox)
     allocator_defaults()  # before CUDA starts
     from machinery import checkpoints, eval_resume, exits, run_log
     from model import DTYPES, Transformer, attention_path
@@ -516,10 +517,6 @@ def main(argv=None):
         t0 = time.time()
         tokenizer = AutoTokenizer.from_pretrained(cfg.model)
         records, summary = evaluate(model, tokenizer, problems, cfg, out_dir=out_dir)
-        if cfg.filter_out:
-            everyone = gather_objects([light(r) for r in records])
-            if rank == 0:
-                write_filtered(problems, [r for part in everyone for r in part], cfg.filter_out)
         if rank == 0:
             summary.update(config=asdict(cfg), model=cfg.model, seconds=time.time() - t0)
             with open(os.path.join(out_dir, "summary.json"), "w", encoding="utf-8") as f:
