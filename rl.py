@@ -311,7 +311,6 @@ class Run:
     engine: rollout.Engine
     metrics: Metrics
     sandbox: "TimedSandbox"
-    save_dtype: torch.dtype    # of the saved HF weights
 
 
 def train(cfg):
@@ -399,7 +398,7 @@ def _train(cfg, rank, world, device, sharded):
             t0 = time.time()
             save_checkpoint(cfg.out_dir, done, model, run.opt, run.tokenizer,
                             dict(config=asdict(cfg), evals=run.evals), run.path,
-                            dtype=run.save_dtype, keep=cfg.keep_checkpoints, last=last)
+                            dtype=cfg.save_dtype, keep=cfg.keep_checkpoints, last=last)
             run.metrics.log(event="save", step=done, seconds=round(time.time() - t0, 3))
     return finish(run)
 
@@ -452,8 +451,7 @@ def setup(cfg, rank, world, device, sharded):
            f"{cfg.samples_per_prompt}, world {world}, device {device}, KV pool "
            f"{engine.stats['kv_pool_tokens']} tokens per rank")
     run = Run(cfg, rank, world, device, path, tokenizer, rcfg, problems, eval_problems, steps,
-              start, evals, model, ref, opt, engine, metrics, TimedSandbox(),
-              DTYPES[model.config.dtype if cfg.save_dtype == "auto" else cfg.save_dtype])
+              start, evals, model, ref, opt, engine, metrics, TimedSandbox())
     if eval_problems and start == 0:
         evals["before"] = run_eval(run, 0)
         print0(f"eval before: accuracy {evals['before']['accuracy']:.3f}")

@@ -277,7 +277,6 @@ class Run:  # what the loop works with, built by setup()
     optimizer: torch.optim.Optimizer
     scheduler: object
     metrics: Metrics
-    save_dtype: torch.dtype    # of the saved HF weights
 
 
 def train(cfg):
@@ -318,7 +317,7 @@ def train(cfg):
             if last or (cfg.save_every and run.step % cfg.save_every == 0):
                 trainer = dict(config=asdict(cfg), scheduler=run.scheduler.state_dict())
                 path = save_checkpoint(cfg.out_dir, run.step, run.model, run.optimizer,
-                                       run.tokenizer, trainer, run.base_path, run.save_dtype,
+                                       run.tokenizer, trainer, run.base_path, cfg.save_dtype,
                                        cfg.keep_train_state, last=last)
         bar.close()
         eval_loss = held_out(run, run.step) if path else None
@@ -388,8 +387,7 @@ def setup(cfg, rank, world, device, sharded):
     metrics = Metrics(os.path.join(cfg.out_dir, "metrics.jsonl"), cfg, step)
     return Run(cfg, rank, world, device, base_path, tokenizer, train_seqs, eval_seqs,
                [len(s[0]) for s in train_seqs], steps_per_epoch, total_steps, step, model,
-               optimizer, scheduler, metrics,
-               DTYPES[model.config.dtype if cfg.save_dtype == "auto" else cfg.save_dtype])
+               optimizer, scheduler, metrics)
 
 
 def held_out(run, at):

@@ -163,11 +163,12 @@ def save_checkpoint(out_dir, step, model, optimizer, tokenizer, trainer, base_pa
     train_state/ (fp32 weights and optimizer sharded by torch.distributed.checkpoint, each rank's
     RNG, the trainer dict). Written into .tmp_step_NNNNNN and renamed once complete; out_dir/final
     then points at it if it is the run's `last`. Only the newest `keep` checkpoints keep their
-    train_state. A collective."""
+    train_state. dtype: of the HF weights, a model.DTYPES name or "auto" (the base's stored
+    dtype); None: the model's own. A collective."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                          get_state_dict)
-    from model import Transformer
+    from model import DTYPES, Transformer
     rank = dist.get_rank()
     name = f"step_{step:06d}"
     final, tmp = os.path.join(out_dir, name), os.path.join(out_dir, ".tmp_" + name)
@@ -182,7 +183,8 @@ def save_checkpoint(out_dir, step, model, optimizer, tokenizer, trainer, base_pa
             hf = Transformer(model.config)
         hf.load_state_dict(full, assign=True, strict=False)
         hf.tie_weights()
-        (hf.to(dtype) if dtype else hf).save_pretrained(tmp)
+        stored = model.config.dtype if dtype == "auto" else dtype
+        (hf.to(DTYPES[stored]) if dtype else hf).save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         if base_path and os.path.exists(os.path.join(base_path, "generation_config.json")):
             shutil.copy(os.path.join(base_path, "generation_config.json"), tmp)

@@ -439,3 +439,25 @@ def test_the_allocator_reads_the_setting():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=120).stdout
     assert out.strip() == "expandable_segments:True"
+
+
+def test_saved_weights_take_the_asked_dtype(tiny_ckpt, tmp_path):
+    """--save_dtype: "auto" saves in the dtype the base was stored in, a name in that dtype, None
+    as the model is (fp32 on CPU)."""
+    import json
+    from safetensors import safe_open
+    from model import Transformer
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(tiny_ckpt)
+    with common.distributed():
+        model = Transformer.from_pretrained(tiny_ckpt)        # stored fp32, loaded fp32 on CPU
+        model.config.dtype = "bfloat16"                       # as if the base were stored bf16
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        for step, dtype in ((1, "auto"), (2, "float16"), (3, None)):
+            checkpoint.save_checkpoint(str(tmp_path), step, model, opt, tok, {"config": {}},
+                                       dtype=dtype, keep=3)
+    for step, want in ((1, "bfloat16"), (2, "float16"), (3, "float32")):
+        path = tmp_path / f"step_{step:06d}"
+        with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+            assert {str(f.get_tensor(k).dtype) for k in f.keys()} == {f"torch.{want}"}
+        assert json.load(open(path / "config.json"))["dtype"] == want
